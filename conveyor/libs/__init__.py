@@ -1,0 +1,1 @@
+"""Library code shared by two or more services."""

@@ -1,0 +1,152 @@
+"""Typed settings shared by every process, read once at the edge.
+
+Settings come from (highest priority first) constructor arguments, environment
+variables (``CONVEYOR_...``), a TOML file named by ``CONVEYOR_CONFIG``, then
+defaults. Services build their own settings class from these parts in their
+``config.py`` and pass the resulting objects down explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+MiB = 1024 * 1024
+
+CONFIG_FILE_ENV = "CONVEYOR_CONFIG"
+
+
+class _FileAwareSettings(BaseSettings):
+    """Adds the optional TOML file (``CONVEYOR_CONFIG``) below env vars."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get(CONFIG_FILE_ENV)
+        if path:
+            if not Path(path).is_file():
+                raise ValueError(f"{CONFIG_FILE_ENV}={path!r} is not a readable file")
+            section = _section_for(settings_cls)
+            toml_source = TomlConfigSettingsSource(settings_cls, toml_file=path)
+            sources.append(_SectionSource(settings_cls, toml_source, section))
+        return tuple(sources)
+
+
+def _section_for(settings_cls: type[BaseSettings]) -> str:
+    prefix = str(settings_cls.model_config.get("env_prefix", ""))
+    return prefix.removeprefix("CONVEYOR_").rstrip("_").lower()
+
+
+class _SectionSource(PydanticBaseSettingsSource):
+    """Reads one ``[section]`` of the TOML file (``[kafka]``, ``[storage]``...)."""
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], inner: PydanticBaseSettingsSource, section: str
+    ) -> None:
+        super().__init__(settings_cls)
+        self._inner = inner
+        self._section = section
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        data = self._inner()
+        if not self._section:
+            return data
+        section = data.get(self._section, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"config section [{self._section}] must be a table")
+        return section
+
+
+class KafkaSettings(_FileAwareSettings):
+    """How to reach the broker and how big messages may be."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_KAFKA_", frozen=True, extra="forbid")
+
+    bootstrap: str = Field(
+        default="127.0.0.1:9092", description="Comma-separated host:port list of the brokers."
+    )
+    topic_prefix: str = Field(default="conveyor.", description="Prefix of every topic name.")
+    client_id: str = Field(default="conveyor", description="Client id sent to the broker.")
+    max_message_bytes: Annotated[int, Field(gt=0, le=256 * MiB)] = Field(
+        default=16 * MiB,
+        description=(
+            "Largest record the bus will produce or accept. Producer max_request_size, "
+            "consumer fetch sizes and the topics' max.message.bytes are all derived from it."
+        ),
+    )
+    request_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    session_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    heartbeat_interval_s: Annotated[float, Field(gt=0)] = 3.0
+    max_poll_interval_s: Annotated[float, Field(gt=0)] = 300.0
+    linger_ms: Annotated[int, Field(ge=0)] = 5
+    replication_factor: Annotated[int, Field(ge=1)] = 1
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("bootstrap must name at least one host:port")
+        return value
+
+
+class StorageSettings(_FileAwareSettings):
+    """Where objects (checkpoints, datasets, exports) live."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_STORAGE_", frozen=True, extra="forbid")
+
+    uri: str = Field(
+        default="file://./.conveyor/objects",
+        description="file://<dir> or s3://<bucket>[/prefix] root of the object store.",
+    )
+    s3_endpoint: str | None = Field(
+        default=None, description="host:port of the S3 endpoint (MinIO, AWS, ...)."
+    )
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_region: str | None = None
+    s3_secure: bool = Field(default=False, description="Use HTTPS to reach the S3 endpoint.")
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        if not value.startswith(("file://", "s3://")):
+            raise ValueError("storage uri must start with file:// or s3://")
+        return value
+
+
+class TelemetrySettings(_FileAwareSettings):
+    """Logging, tracing and metrics of one process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_TELEMETRY_", frozen=True, extra="forbid"
+    )
+
+    log_level: str = "INFO"
+    log_json: bool = Field(default=False, description="One JSON object per log line.")
+    otlp_endpoint: str | None = Field(
+        default_factory=lambda: os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/HTTP endpoint; tracing exports only when set.",
+    )
+    http_host: str = Field(default="127.0.0.1", description="Bind address of /healthz, /metrics.")
+    http_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        default=0, description="Port of /healthz, /readyz and /metrics; 0 picks a free one."
+    )
