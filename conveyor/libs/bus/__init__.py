@@ -1,0 +1,35 @@
+"""The message bus: typed messages over Kafka topics (aiokafka), at-least-once, traced.
+
+* :class:`TopicAdmin` creates and deletes topics (nothing is auto-created).
+* :class:`Producer` encodes, size-checks and sends; ``send`` returns the ack as a future.
+* :class:`Consumer` decodes, bounds in-flight work, commits only acked prefixes, parks
+  undecodable records on the dead-letter topic, and reports its lag.
+* :func:`process_span` traces the processing of a :class:`Received` record.
+
+Client options derived from :class:`~conveyor.libs.config.KafkaSettings` live in
+:mod:`conveyor.libs.bus.options`.
+"""
+
+from conveyor.libs.bus.admin import TopicAdmin, TopicSpec, ensure_topics
+from conveyor.libs.bus.consumer import Consumer, Handler
+from conveyor.libs.bus.errors import BusError, BusUnavailable, ConsumerStopped, RecordTooLarge
+from conveyor.libs.bus.producer import Producer
+from conveyor.libs.bus.received import Received
+from conveyor.libs.bus.tracing import extract_context, inject_headers, process_span
+
+__all__ = [
+    "BusError",
+    "BusUnavailable",
+    "Consumer",
+    "ConsumerStopped",
+    "Handler",
+    "Producer",
+    "Received",
+    "RecordTooLarge",
+    "TopicAdmin",
+    "TopicSpec",
+    "ensure_topics",
+    "extract_context",
+    "inject_headers",
+    "process_span",
+]

@@ -1,0 +1,39 @@
+"""The gateway's API routes (one router per resource) and the mapping of errors to statuses."""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI, Request, status
+from fastapi.responses import JSONResponse
+
+from conveyor.services.gateway.errors import (
+    GatewayError,
+    GatewayUnavailable,
+    IdempotencyConflict,
+    JobFinished,
+    JobNotFound,
+)
+from conveyor.services.gateway.routes import jobs
+from conveyor.services.gateway.routes.deps import JobsBackend, require_token
+
+_STATUS: dict[type[GatewayError], int] = {
+    JobNotFound: status.HTTP_404_NOT_FOUND,
+    JobFinished: status.HTTP_409_CONFLICT,
+    IdempotencyConflict: status.HTTP_409_CONFLICT,
+    GatewayUnavailable: status.HTTP_503_SERVICE_UNAVAILABLE,
+}
+
+
+async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
+    code = next(
+        (code for kind, code in _STATUS.items() if isinstance(exc, kind)),
+        status.HTTP_500_INTERNAL_SERVER_ERROR,
+    )
+    headers = {"Retry-After": "1"} if code == status.HTTP_503_SERVICE_UNAVAILABLE else None
+    return JSONResponse({"detail": str(exc)}, status_code=code, headers=headers)
+
+
+def install_routes(app: FastAPI, backend: JobsBackend) -> None:
+    """Mount every ``/v1`` router on ``app`` (bearer auth on all of them), serving ``backend``."""
+    app.state.jobs_backend = backend
+    app.include_router(jobs.router, dependencies=[Depends(require_token)])
+    app.add_exception_handler(GatewayError, _gateway_error)

@@ -1,0 +1,385 @@
+"""The bus against the real broker: round trips, group membership, crashes, DLQ, tracing, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Iterable
+
+import pytest
+import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+
+from conveyor.libs.bus import (
+    BusError,
+    Consumer,
+    Producer,
+    Received,
+    RecordTooLarge,
+    TopicAdmin,
+    TopicSpec,
+    process_span,
+)
+from conveyor.libs.config import KafkaSettings
+from conveyor.libs.messages import Batch, DeadLetter, JobEvent, Topics
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def settings(kafka_settings: KafkaSettings) -> KafkaSettings:
+    """Settings for fast group changes: Tansu completes a join after half the session timeout;
+    a real Kafka refuses sessions under 6 s (group.min.session.timeout.ms)."""
+    session_s = 6.0 if os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP") else 2.0
+    return kafka_settings.model_copy(
+        update={"session_timeout_s": session_s, "heartbeat_interval_s": 0.3}
+    )
+
+
+async def create(settings: KafkaSettings, *specs: TopicSpec) -> None:
+    async with TopicAdmin(settings) as admin:
+        await admin.create_topics(specs)
+
+
+def make_batch(index: int, *, rows: int = 4, side: int = 8) -> Batch:
+    generator = torch.Generator().manual_seed(index)
+    return Batch(
+        job_id="j1",
+        batch_id=f"b{index}",
+        shard_id="s0",
+        epoch=0,
+        split="train",
+        sample_ids=list(range(index * rows, (index + 1) * rows)),
+        x=torch.randint(0, 256, (rows, 3, side, side), dtype=torch.uint8, generator=generator),
+        y=torch.randint(0, 10, (rows,), dtype=torch.int64, generator=generator),
+        timestamps={"sent": 1.5},
+    )
+
+
+def event(index: int) -> JobEvent:
+    return JobEvent(job_id="j1", event=f"e{index}", at=float(index), data={"i": index})
+
+
+async def publish_all(settings: KafkaSettings, topic: str, messages: Iterable[JobEvent]) -> None:
+    async with Producer(settings) as producer:
+        acks = [await producer.send(topic, m, key=m.event) for m in messages]
+        await asyncio.gather(*acks)
+
+
+async def wait_assigned(*consumers: Consumer, partitions: int, timeout_s: float = 15.0) -> None:
+    """Wait until the consumers together hold ``partitions`` partitions, each at least one."""
+    deadline = time.monotonic() + timeout_s
+    while not (
+        all(c.assignment() for c in consumers)
+        and sum(len(c.assignment()) for c in consumers) == partitions
+    ):
+        assert time.monotonic() < deadline, "group did not settle"
+        await asyncio.sleep(0.05)
+
+
+def group(settings: KafkaSettings, name: str = "g") -> str:
+    """A group id unique to the test (group ids are shared across tests on one broker)."""
+    return f"{settings.topic_prefix}{name}"
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_round_trip_keeps_tensors_keys_and_headers(settings: KafkaSettings) -> None:
+    topic = Topics(settings.topic_prefix).batches("j1")
+    await create(settings, TopicSpec(topic, partitions=2))
+    sent = [make_batch(i) for i in range(6)]
+    produced_before = metric("conveyor_bus_produced_records_total", topic_kind="batches")
+    consumed_before = metric("conveyor_bus_consumed_records_total", topic_kind="batches")
+    async with Producer(settings) as producer:
+        acks = [
+            await producer.send(topic, b, key=b.batch_id, headers={"origin": b"test"}) for b in sent
+        ]
+        metadata = await asyncio.gather(*acks)
+    assert len({(m.partition, m.offset) for m in metadata}) == len(sent)
+
+    by_id: dict[str, Received] = {}
+    async with Consumer(settings, [topic], group_id=group(settings)) as consumer:
+        while len(by_id) < len(sent):
+            received = await asyncio.wait_for(consumer.get(), 15)
+            by_id[received.message.batch_id] = received  # type: ignore[attr-defined]
+            consumer.ack(received)
+        await consumer.commit()
+        assert consumer.lag() == 0
+    assert (
+        metric("conveyor_bus_produced_records_total", topic_kind="batches") == produced_before + 6
+    )
+    assert (
+        metric("conveyor_bus_consumed_records_total", topic_kind="batches") == consumed_before + 6
+    )
+    for batch in sent:
+        got = by_id[batch.batch_id]
+        assert isinstance(got.message, Batch)
+        assert torch.equal(got.message.x, batch.x)
+        assert torch.equal(got.message.y, batch.y)
+        assert got.message.sample_ids == batch.sample_ids
+        assert got.message.timestamps == {"sent": 1.5}
+        assert got.key == batch.batch_id.encode()
+        assert got.headers["origin"] == b"test"
+        assert got.size_bytes > batch.x.numel()
+        assert got.topic == topic
+
+
+async def test_member_leaving_hands_over_the_rest(settings: KafkaSettings) -> None:
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic, partitions=4))
+    total = 400
+    await publish_all(settings, topic, (event(i) for i in range(total)))
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    async def consume(name: str, consumer: Consumer, stop_after: int | None) -> None:
+        async for received in consumer:
+            seen[name].append(received.message.event)  # type: ignore[attr-defined]
+            consumer.ack(received)
+            if stop_after is not None and len(seen[name]) >= stop_after:
+                await consumer.stop()
+            await asyncio.sleep(0.002)  # keep both members busy long enough to overlap
+
+    a = Consumer(settings, [topic], group_id=group(settings), commit_interval_s=0.1)
+    b = Consumer(settings, [topic], group_id=group(settings), commit_interval_s=0.1)
+    async with a, b:
+        await wait_assigned(a, b, partitions=4)
+        task_a = asyncio.create_task(consume("a", a, stop_after=40))
+        task_b = asyncio.create_task(consume("b", b, stop_after=None))
+        await asyncio.wait_for(task_a, 15)
+        assert a.assignment() == frozenset()
+        deadline = time.monotonic() + 20
+        while set(seen["a"]) | set(seen["b"]) != {f"e{i}" for i in range(total)}:
+            assert time.monotonic() < deadline, "records were lost"
+            await asyncio.sleep(0.05)
+        assert len(b.assignment()) == 4
+        task_b.cancel()
+    assert len(seen["a"]) == 40
+    assert len(seen["b"]) >= total - 40
+
+
+async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
+    settings: KafkaSettings,
+) -> None:
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic, partitions=2))
+    total = 40
+    await publish_all(settings, topic, (event(i) for i in range(total)))
+    no_periodic_commit = 3600.0
+    a = Consumer(settings, [topic], group_id=group(settings), commit_interval_s=no_periodic_commit)
+    b = Consumer(settings, [topic], group_id=group(settings), commit_interval_s=no_periodic_commit)
+    async with a:
+        first = [await asyncio.wait_for(a.get(), 15) for _ in range(10)]
+        for received in first:
+            a.ack(received)
+        async with b:  # joining revokes a's partitions: a commits its acks before they move
+            await wait_assigned(a, b, partitions=2)
+            later: list[str] = []
+
+            async def drain(consumer: Consumer) -> None:
+                async for received in consumer:
+                    later.append(received.message.event)  # type: ignore[attr-defined]
+                    consumer.ack(received)
+
+            tasks = [asyncio.create_task(drain(c)) for c in (a, b)]
+            deadline = time.monotonic() + 15
+            while len(later) < total - len(first):
+                assert time.monotonic() < deadline, f"only {len(later)} records came back"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # a redelivery, if any, would show up now
+            for task in tasks:
+                task.cancel()
+    acked_first = {r.message.event for r in first}  # type: ignore[attr-defined]
+    assert not acked_first & set(later)
+    assert acked_first | set(later) == {f"e{i}" for i in range(total)}
+    assert len(later) == total - len(first)
+
+
+_HOLDER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from conveyor.libs.bus import Consumer
+    from conveyor.libs.config import KafkaSettings
+
+    async def main() -> None:
+        settings = KafkaSettings.model_validate_json(sys.argv[1])
+        consumer = Consumer(settings, [sys.argv[2]], group_id=sys.argv[3], commit_interval_s=3600)
+        await consumer.start()
+        received = [await consumer.get() for _ in range(10)]
+        for r in received[:4]:
+            consumer.ack(r)
+        await consumer.commit()
+        print("holding", " ".join(str(r.offset) for r in received), flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_killed_member_records_are_redelivered(settings: KafkaSettings) -> None:
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic, partitions=1))
+    await publish_all(settings, topic, (event(i) for i in range(10)))
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _HOLDER_SCRIPT,
+        settings.model_dump_json(),
+        topic,
+        group(settings),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        line = await asyncio.wait_for(holder.stdout.readline(), 30)
+        assert line.decode().split() == ["holding", *map(str, range(10))]
+        holder.send_signal(signal.SIGKILL)  # no commit, no LeaveGroup: its session must expire
+        await holder.wait()
+        # The dead member still belongs to the group until its session times out; then the
+        # partition moves, from the last commit: the 6 records it held unacked come back.
+        async with Consumer(settings, [topic], group_id=group(settings)) as survivor:
+            redelivered = [await asyncio.wait_for(survivor.get(), 20) for _ in range(6)]
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+            await holder.wait()
+    assert [r.offset for r in redelivered] == list(range(4, 10))
+    events = [r.message.event for r in redelivered]  # type: ignore[attr-defined]
+    assert events == [f"e{i}" for i in range(4, 10)]
+
+
+async def test_undecodable_record_goes_to_dlq_and_consumption_continues(
+    settings: KafkaSettings,
+) -> None:
+    topics = Topics(settings.topic_prefix)
+    topic = topics.batches("j1")
+    await create(settings, TopicSpec(topic))
+    garbage = os.urandom(333)
+    before = metric("conveyor_bus_dead_letters_total", topic_kind="batches")
+    async with Producer(settings) as producer:
+        await (await producer.send_raw(topic, garbage, key=b"bad"))
+        await producer.publish(topic, make_batch(1), key="good")
+
+    async with Consumer(settings, [topic], group_id=group(settings)) as consumer:
+        received = await asyncio.wait_for(consumer.get(), 15)
+        assert received.offset == 1
+        assert received.message.batch_id == "b1"  # type: ignore[attr-defined]
+        consumer.ack(received)
+        await consumer.commit()
+    assert metric("conveyor_bus_dead_letters_total", topic_kind="batches") == before + 1
+
+    async with Consumer(settings, [topics.dlq], group_id=group(settings, "dlq-reader")) as reader:
+        letter = (await asyncio.wait_for(reader.get(), 15)).message
+    assert isinstance(letter, DeadLetter)
+    assert (letter.source_topic, letter.partition, letter.offset) == (topic, 0, 0)
+    assert letter.key == b"bad"
+    assert letter.payload == garbage
+    assert letter.reason.startswith(("MalformedMessage", "MessageTooLarge", "UnknownMessageType"))
+    assert abs(letter.failed_at - time.time()) < 60
+
+    # The group committed past both records: a restarted member starts after them.
+    async with Producer(settings) as producer:
+        await producer.publish(topic, make_batch(2))
+    async with Consumer(settings, [topic], group_id=group(settings)) as consumer:
+        assert (await asyncio.wait_for(consumer.get(), 15)).offset == 2
+
+
+async def test_trace_context_crosses_a_hop(settings: KafkaSettings) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    topic = Topics(settings.topic_prefix).batches("j1")
+    await create(settings, TopicSpec(topic))
+
+    async with Producer(settings, tracer_provider=provider) as producer:
+        with provider.get_tracer("test").start_as_current_span("preprocess") as parent:
+            await producer.publish(topic, make_batch(0), key="b0")
+    async with Consumer(settings, [topic], group_id=group(settings)) as consumer:
+        received = await asyncio.wait_for(consumer.get(), 15)
+        with process_span(received, tracer_provider=provider, consumer_group=group(settings)):
+            pass
+        consumer.ack(received)
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    send, process = spans[f"send {topic}"], spans[f"process {topic}"]
+    carried = trace.get_current_span(received.context).get_span_context()
+    assert "traceparent" in received.headers
+    assert carried.trace_id == send.context.trace_id == parent.get_span_context().trace_id
+    assert carried.span_id == send.context.span_id
+    assert send.kind == trace.SpanKind.PRODUCER and process.kind == trace.SpanKind.CONSUMER
+    assert process.parent is not None and process.parent.span_id == send.context.span_id
+    assert process.context.trace_id == send.context.trace_id
+    assert send.attributes is not None and process.attributes is not None
+    assert send.attributes["messaging.system"] == "kafka"
+    assert send.attributes["messaging.destination.name"] == topic
+    assert send.attributes["messaging.kafka.message.key"] == "b0"
+    assert send.attributes["messaging.kafka.offset"] == 0
+    assert process.attributes["messaging.destination.partition.id"] == "0"
+    assert process.attributes["messaging.consumer.group.name"] == group(settings)
+
+
+async def test_backpressure_pauses_at_max_in_flight(settings: KafkaSettings) -> None:
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic))
+    await publish_all(settings, topic, (event(i) for i in range(5)))
+    async with Consumer(settings, [topic], group_id=group(settings), max_in_flight=2) as consumer:
+        first = [await asyncio.wait_for(consumer.get(), 15) for _ in range(2)]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(consumer.get(), 1.0)
+        assert consumer.in_flight == 2
+        assert consumer.paused
+        assert consumer.lag() == 3
+        assert metric("conveyor_bus_consumer_lag_records", topic_kind="shards") == 3
+
+        consumer.ack(first[1])  # out of order: frees a slot, commit point stays at 0
+        assert not consumer.paused
+        third = await asyncio.wait_for(consumer.get(), 5)
+        assert third.offset == 2
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(consumer.get(), 0.5)
+
+        consumer.ack(first[0])
+        consumer.ack(third)
+        rest = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
+        assert [r.offset for r in rest] == [3, 4]
+        consumer.ack(rest[0])
+        assert consumer.in_flight == 1
+
+
+async def test_records_over_max_message_bytes_are_refused(settings: KafkaSettings) -> None:
+    settings = settings.model_copy(update={"max_message_bytes": 1 * MiB})
+    topic = Topics(settings.topic_prefix).batches("j1")
+    await create(settings, TopicSpec(topic))
+    async with Producer(settings) as producer:
+        with pytest.raises(RecordTooLarge, match="max_message_bytes"):
+            await producer.send(topic, make_batch(0, rows=40, side=96))  # 1.1 MB of pixels
+        with pytest.raises(RecordTooLarge, match="max_message_bytes"):
+            await producer.send_raw(topic, bytes(MiB - 10), key=b"k" * 11)
+        metadata = await producer.publish(topic, make_batch(1, rows=4, side=96))
+    assert metadata.offset == 0  # the refused records never reached the broker
+
+
+async def test_admin_creates_lists_and_deletes(settings: KafkaSettings) -> None:
+    names = [f"{settings.topic_prefix}a", f"{settings.topic_prefix}b"]
+    async with TopicAdmin(settings) as admin:
+        await admin.create_topics([TopicSpec(names[0], partitions=3), TopicSpec(names[1])])
+        await admin.create_topics([TopicSpec(names[0], partitions=3)])  # exist_ok
+        with pytest.raises(BusError, match=names[0]):
+            await admin.create_topics([TopicSpec(names[0])], exist_ok=False)
+        assert set(names) <= await admin.list_topics()
+        await admin.delete_topics([*names, f"{settings.topic_prefix}missing"])
+        assert not set(names) & await admin.list_topics()
+        with pytest.raises(BusError, match="missing"):
+            await admin.delete_topics([f"{settings.topic_prefix}missing"], missing_ok=False)
+    with pytest.raises(ValueError, match="partitions"):
+        TopicSpec("x", partitions=0)

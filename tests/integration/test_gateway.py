@@ -1,0 +1,377 @@
+"""The gateway against the real broker and a real HTTP server (uvicorn on a free port)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from conveyor.libs.bus import Producer
+from conveyor.libs.codec import decode
+from conveyor.libs.config import KafkaSettings, TelemetrySettings
+from conveyor.libs.jobspec import JobSpec
+from conveyor.libs.messages import JobEvent, Topics
+from conveyor.libs.service import ServiceError
+from conveyor.services.gateway.config import GatewaySettings
+from conveyor.services.gateway.service import GatewayService, job_id_for
+
+SPEC = JobSpec.from_yaml(
+    (Path(__file__).resolve().parents[2] / "examples" / "digits.yaml").read_text()
+).to_dict()
+TOKEN = "s3cret-token"
+
+
+class Gateway:
+    """A running GatewayService and an HTTP client pointed at it."""
+
+    def __init__(self, service: GatewayService, client: httpx.AsyncClient) -> None:
+        self.service = service
+        self.client = client
+
+
+@asynccontextmanager
+async def running_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Gateway]:
+    settings.setdefault("api_token", None)
+    service = GatewayService(
+        settings=GatewaySettings(port=0, **settings),
+        kafka=kafka,
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
+    serving = asyncio.create_task(service.serve())
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            port = service.http_port
+            break
+        except ServiceError:
+            assert time.monotonic() < deadline and not serving.done(), "gateway did not start"
+            await asyncio.sleep(0.02)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
+        while (await client.get("/readyz")).status_code != 200:
+            assert time.monotonic() < deadline and not serving.done(), "gateway never ready"
+            await asyncio.sleep(0.05)
+        try:
+            yield Gateway(service, client)
+        finally:
+            service.request_stop()
+            assert await asyncio.wait_for(serving, 30) == 0
+
+
+@pytest.fixture
+async def gateway(kafka_settings: KafkaSettings) -> AsyncIterator[Gateway]:
+    async with running_gateway(kafka_settings) as gw:
+        yield gw
+
+
+async def jobs_topic_events(kafka: KafkaSettings) -> list[JobEvent]:
+    """Every JobEvent on the jobs topic, read to its current end (group-less)."""
+    topic = Topics(kafka.topic_prefix).jobs
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        await consumer.topics()
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        events: list[JobEvent] = []
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    message = decode(record.value)
+                    assert isinstance(message, JobEvent)
+                    assert record.key == message.job_id.encode()
+                    events.append(message)
+        return events
+    finally:
+        await consumer.stop()
+
+
+async def publish(kafka: KafkaSettings, job_id: str, *events: tuple[str, dict[str, Any]]) -> None:
+    """Publish lifecycle events as the sharder and trainers would."""
+    async with Producer(kafka) as producer:
+        for name, data in events:
+            event = JobEvent(job_id=job_id, event=name, at=time.time(), data=data)
+            await producer.publish(Topics(kafka.topic_prefix).jobs, event, key=job_id)
+
+
+async def wait_for_state(gw: Gateway, job_id: str, state: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        body: dict[str, Any] = (await gw.client.get(f"/v1/jobs/{job_id}")).json()
+        if body["state"] == state:
+            return body
+        assert time.monotonic() < deadline, f"job stuck in {body['state']}, wanted {state}"
+        await asyncio.sleep(0.05)
+
+
+async def test_submit_returns_pending_and_publishes_the_spec(
+    gateway: Gateway, kafka_settings: KafkaSettings
+) -> None:
+    response = await gateway.client.post("/v1/jobs", json=SPEC)
+    assert response.status_code == 201
+    job = response.json()
+    assert job["state"] == "pending" and job["name"] == "digits-cnn"
+    assert len(job["id"]) == 32 and response.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["spec"] == SPEC and job["idempotency_key"] is None
+    # read-your-writes: visible at once
+    assert (await gateway.client.get(f"/v1/jobs/{job['id']}")).json()["id"] == job["id"]
+    [event] = await jobs_topic_events(kafka_settings)
+    assert (event.job_id, event.event) == (job["id"], "submitted")
+    assert event.data == {"spec": SPEC, "idempotency_key": None}
+
+
+async def test_idempotency_key(gateway: Gateway, kafka_settings: KafkaSettings) -> None:
+    headers = {"Idempotency-Key": "nightly-42"}
+    first = await gateway.client.post("/v1/jobs", json=SPEC, headers=headers)
+    again = await gateway.client.post("/v1/jobs", json=SPEC, headers=headers)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"] == job_id_for("nightly-42")
+    other_spec = {**SPEC, "name": "another-name"}
+    conflict = await gateway.client.post("/v1/jobs", json=other_spec, headers=headers)
+    assert conflict.status_code == 409 and "nightly-42" in conflict.json()["detail"]
+    concurrent = await asyncio.gather(
+        *(gateway.client.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "c"})
+          for _ in range(4))
+    )  # fmt: skip
+    assert sorted(r.status_code for r in concurrent) == [200, 200, 200, 201]
+    events = await jobs_topic_events(kafka_settings)  # partitions: no order across jobs
+    keys = {e.job_id: e.data["idempotency_key"] for e in events}
+    assert len(events) == 2 and keys == {
+        job_id_for("nightly-42"): "nightly-42",
+        job_id_for("c"): "c",
+    }
+
+
+async def test_list_get_and_not_found(gateway: Gateway, kafka_settings: KafkaSettings) -> None:
+    ids = []
+    for name in ("job-a", "job-b", "job-c"):
+        response = await gateway.client.post("/v1/jobs", json={**SPEC, "name": name})
+        ids.append(response.json()["id"])
+    await publish(kafka_settings, ids[1], ("failed", {"reason": "dataset unreadable"}))
+    await wait_for_state(gateway, ids[1], "failed")
+    listing = (await gateway.client.get("/v1/jobs")).json()
+    assert [job["id"] for job in listing["jobs"]] == ids[::-1] and listing["count"] == 3
+    pending = (await gateway.client.get("/v1/jobs", params={"state": "pending"})).json()
+    assert [job["id"] for job in pending["jobs"]] == [ids[2], ids[0]]
+    limited = (await gateway.client.get("/v1/jobs", params={"limit": 1})).json()
+    assert [job["id"] for job in limited["jobs"]] == [ids[2]]
+    failed = (await gateway.client.get(f"/v1/jobs/{ids[1]}")).json()
+    assert failed["state"] == "failed" and failed["reason"] == "dataset unreadable"
+    missing = await gateway.client.get("/v1/jobs/nope")
+    assert missing.status_code == 404 and missing.json() == {"detail": "job 'nope' not found"}
+    bad_filter = await gateway.client.get("/v1/jobs", params={"state": "sleeping"})
+    assert bad_filter.status_code == 422
+
+
+async def test_cancel(gateway: Gateway, kafka_settings: KafkaSettings) -> None:
+    job_id = (await gateway.client.post("/v1/jobs", json=SPEC)).json()["id"]
+    response = await gateway.client.post(f"/v1/jobs/{job_id}/cancel")
+    assert response.status_code == 202
+    assert response.json()["cancel_requested"] is True and response.json()["state"] == "pending"
+    repeat = await gateway.client.post(f"/v1/jobs/{job_id}/cancel")
+    assert repeat.status_code == 202
+    events = await jobs_topic_events(kafka_settings)
+    assert [(e.job_id, e.event) for e in events] == [
+        (job_id, "submitted"), (job_id, "cancel_requested"),
+    ]  # fmt: skip
+    await publish(kafka_settings, job_id, ("cancelled", {"reason": "cancelled by sharder"}))
+    await wait_for_state(gateway, job_id, "cancelled")
+    finished = await gateway.client.post(f"/v1/jobs/{job_id}/cancel")
+    assert finished.status_code == 409 and "already cancelled" in finished.json()["detail"]
+    assert (await gateway.client.post("/v1/jobs/nope/cancel")).status_code == 404
+
+
+LIFECYCLE: list[tuple[str, dict[str, Any]]] = [
+    ("planned", {"num_train": 1437, "num_eval": 360, "steps_per_epoch": 22, "num_classes": 10}),
+    ("running", {"worker_id": "trainer-0"}),
+    ("progress", {"worker_id": "trainer-0", "epoch": 0, "step": 10, "samples_trained": 640,
+                  "batches_consumed": 20, "consumed_train_batches": 20, "loss": 1.1,
+                  "samples_per_second": 900.0, "data_wait_ratio": 0.02,
+                  "stage_latency_s": {"compute": 0.004, "queue_wait": 0.010}}),
+    ("progress", {"worker_id": "trainer-0", "epoch": 0, "step": 20, "samples_trained": 1280,
+                  "batches_consumed": 40, "consumed_train_batches": 40, "loss": 0.6,
+                  "samples_per_second": 1000.0, "data_wait_ratio": 0.01,
+                  "stage_latency_s": {"compute": 0.006, "queue_wait": 0.020}}),
+    ("epoch_completed", {"epoch": 0, "train_loss": 0.7, "eval_loss": 0.5, "eval_accuracy": 0.9}),
+    ("completed", {"summary": {"eval_accuracy": 0.95, "steps": 110, "epochs": 5}}),
+]  # fmt: skip
+
+
+async def read_sse(lines: AsyncIterator[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(event, data) of every frame until the server ends the stream."""
+    frames: list[tuple[str, dict[str, Any]]] = []
+    event = ""
+    async for line in lines:
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            frames.append((event, json.loads(line.removeprefix("data: "))))
+    return frames
+
+
+async def test_lifecycle_events_fold_into_the_view_and_stream(
+    gateway: Gateway, kafka_settings: KafkaSettings
+) -> None:
+    job = (await gateway.client.post("/v1/jobs", json=SPEC)).json()
+    job_id = job["id"]
+    async with gateway.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.aiter_lines()
+        assert await anext(lines) == "event: snapshot"  # subscribed: now feed the events
+        _, data, blank = [await anext(lines) for _ in range(3)]
+        assert json.loads(data.removeprefix("data: ")) == job and blank == ""
+        await publish(kafka_settings, job_id, *LIFECYCLE)
+        rest = await asyncio.wait_for(read_sse(lines), 10)  # ends after the terminal event
+    assert [event for event, _ in rest] == [name for name, _ in LIFECYCLE]
+    assert [data["state"] for _, data in rest] == [
+        "planned", "running", "running", "running", "running", "completed",
+    ]  # fmt: skip
+    assert [data["seq"] for _, data in rest] == [2, 3, 4, 5, 6, 7]
+    assert rest[3][1]["progress"]["samples_trained"] == 1280
+    job = (await gateway.client.get(f"/v1/jobs/{job_id}")).json()
+    assert job["state"] == "completed"
+    assert job["summary"] == {"eval_accuracy": 0.95, "steps": 110, "epochs": 5}
+    assert job["progress"]["step"] == 20 and job["progress"]["total_steps"] == 110
+    assert job["epochs"] == [
+        {"epoch": 0, "train_loss": 0.7, "eval_loss": 0.5, "eval_accuracy": 0.9}
+    ]
+    stages = (await gateway.client.get(f"/v1/jobs/{job_id}/stages")).json()
+    assert set(stages["stages"]) == {"compute", "queue_wait"}
+    assert stages["stages"]["compute"]["p50"] == pytest.approx(0.005)
+    assert stages["stages"]["queue_wait"]["max"] == pytest.approx(0.020)
+    assert stages["stages"]["compute"]["count"] == 2
+    # A stream opened on a finished job sends the snapshot and ends.
+    async with gateway.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        frames = await asyncio.wait_for(read_sse(stream.aiter_lines()), 10)
+    assert [(event, data["state"]) for event, data in frames] == [("snapshot", "completed")]
+    assert (await gateway.client.get("/v1/jobs/nope/events")).status_code == 404
+
+
+async def test_idle_stream_sends_keepalive_comments(kafka_settings: KafkaSettings) -> None:
+    async with running_gateway(kafka_settings, sse_keepalive_s=0.1) as gw:
+        job_id = (await gw.client.post("/v1/jobs", json=SPEC)).json()["id"]
+        async with gw.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+            lines = stream.aiter_lines()
+            seen = [await anext(lines) for _ in range(6)]
+    assert seen[0] == "event: snapshot" and ": keepalive" in seen[3:]
+
+
+async def test_bearer_auth(kafka_settings: KafkaSettings) -> None:
+    async with running_gateway(kafka_settings, api_token=TOKEN) as gw:
+        missing = await gw.client.get("/v1/jobs")
+        assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith(
+            "Bearer"
+        )
+        wrong = await gw.client.get("/v1/jobs", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 403
+        good = {"Authorization": f"Bearer {TOKEN}"}
+        assert (await gw.client.get("/v1/jobs", headers=good)).status_code == 200
+        assert (await gw.client.post("/v1/jobs", json=SPEC)).status_code == 401
+        assert (await gw.client.post("/v1/jobs", json=SPEC, headers=good)).status_code == 201
+        for open_path in ("/healthz", "/readyz", "/metrics"):
+            assert (await gw.client.get(open_path)).status_code == 200
+
+
+async def test_body_limit(gateway: Gateway) -> None:
+    big = b'{"name": "' + b"x" * (2 * 1024 * 1024) + b'"}'
+    response = await gateway.client.post(
+        "/v1/jobs", content=big, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413 and "exceeds" in response.json()["detail"]
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: enforced while reading
+        for _ in range(40):
+            yield b" " * 64 * 1024
+
+    streamed = await gateway.client.post(
+        "/v1/jobs", content=chunked(), headers={"Content-Type": "application/json"}
+    )
+    assert streamed.status_code == 413
+    # The server is fine afterwards.
+    assert (await gateway.client.post("/v1/jobs", json=SPEC)).status_code == 201
+
+
+async def test_validation_errors_are_422_with_field_locations(gateway: Gateway) -> None:
+    bad = {**SPEC, "training": {**SPEC["training"], "micro_batch_size": 30}}
+    response = await gateway.client.post("/v1/jobs", json=bad)
+    assert response.status_code == 422
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "training", "micro_batch_size"]
+    assert "multiple of micro_batch_size (30)" in error["msg"]
+    broken_json = await gateway.client.post(
+        "/v1/jobs", content=b'{"name": ', headers={"Content-Type": "application/json"}
+    )
+    assert broken_json.status_code == 422
+    yaml_body = await gateway.client.post(
+        "/v1/jobs", content=b"name: x\nmodel: {name: y}\n",
+        headers={"Content-Type": "application/yaml"},
+    )  # fmt: skip
+    assert yaml_body.status_code == 422
+    not_a_mapping = await gateway.client.post("/v1/jobs", json=[1, 2])
+    assert not_a_mapping.status_code == 422
+    empty_key = await gateway.client.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": ""})
+    assert empty_key.status_code == 422
+
+
+async def test_metrics(gateway: Gateway) -> None:
+    await gateway.client.post("/v1/jobs", json=SPEC)
+    await gateway.client.get("/v1/jobs/nope")
+    text = (await gateway.client.get("/metrics")).text
+    assert 'conveyor_gateway_requests_total{code="201",route="/v1/jobs"}' in text
+    assert 'conveyor_gateway_requests_total{code="404",route="/v1/jobs/{job_id}"}' in text
+    assert 'conveyor_gateway_jobs{state="pending"}' in text
+
+
+async def test_restart_rebuilds_the_same_view(kafka_settings: KafkaSettings) -> None:
+    async with running_gateway(kafka_settings) as first:
+        done = (await first.client.post("/v1/jobs", json=SPEC)).json()["id"]
+        keyed = await first.client.post(
+            "/v1/jobs", json={**SPEC, "name": "keyed"}, headers={"Idempotency-Key": "k1"}
+        )
+        pending = keyed.json()["id"]
+        cancelling = (await first.client.post("/v1/jobs", json={**SPEC, "name": "c"})).json()
+        await first.client.post(f"/v1/jobs/{cancelling['id']}/cancel")
+        await publish(kafka_settings, done, *LIFECYCLE)
+        await wait_for_state(first, done, "completed")
+        before = (await first.client.get("/v1/jobs")).json()
+        stages_before = (await first.client.get(f"/v1/jobs/{done}/stages")).json()
+    async with running_gateway(kafka_settings) as second:
+        after = (await second.client.get("/v1/jobs")).json()
+        assert after == before
+        assert [job["state"] for job in after["jobs"]] == ["pending", "pending", "completed"]
+        assert (await second.client.get(f"/v1/jobs/{done}/stages")).json() == stages_before
+        again = await second.client.post(
+            "/v1/jobs", json={**SPEC, "name": "keyed"}, headers={"Idempotency-Key": "k1"}
+        )
+        assert again.status_code == 200 and again.json()["id"] == pending
+
+
+async def test_stop_ends_open_progress_streams(kafka_settings: KafkaSettings) -> None:
+    async with running_gateway(kafka_settings) as gw:
+        job_id = (await gw.client.post("/v1/jobs", json=SPEC)).json()["id"]
+        async with gw.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+            lines = stream.aiter_lines()
+            assert await anext(lines) == "event: snapshot"
+            started = time.monotonic()
+            gw.service.request_stop()
+            rest = [line async for line in lines]  # the server ends the stream on drain
+            assert time.monotonic() - started < 5
+    assert rest[0].startswith("id: ") and rest[-1] == ""
+
+
+async def test_openapi_documents_the_api(gateway: Gateway) -> None:
+    schema = (await gateway.client.get("/openapi.json")).json()
+    job = "/v1/jobs/{job_id}"
+    expected = {"/v1/jobs", job, f"{job}/cancel", f"{job}/events", f"{job}/stages"}
+    assert expected <= set(schema["paths"])
+    assert "JobSpec" in schema["components"]["schemas"]

@@ -1,0 +1,222 @@
+"""The command line's contract without a running stack: exit codes, messages, JSON shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conveyor.cli import app
+from conveyor.embedded import registry, stack
+from conveyor.embedded.health import HealthError
+from conveyor.embedded.procs import ProcessInfo, is_alive, start_ticks
+from conveyor.embedded.state import (
+    ServiceInfo,
+    StackState,
+    StateError,
+    load_state,
+    save_state,
+)
+from conveyor.embedded.store import resolve_storage
+
+runner = CliRunner()
+CALLS: list[list[str]] = []
+
+
+def fake_main(argv: list[str]) -> int:
+    """Stand-in service entry: records its arguments, exits 3."""
+    CALLS.append(argv)
+    return 3
+
+
+@pytest.fixture
+def two_services(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        registry,
+        "SERVICES",
+        {
+            "gateway": registry.ServiceSpec(entry=f"{__name__}:fake_main", serves_api=True),
+            "sharder": registry.ServiceSpec(entry=f"{__name__}:fake_main"),
+        },
+    )
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith(("CONVEYOR_STORAGE_", "CONVEYOR_STATE_DIR")):
+            monkeypatch.delenv(key)
+
+
+def test_unknown_service_exits_2_and_lists_known(two_services: None) -> None:
+    result = runner.invoke(app, ["service", "nope"])
+    assert result.exit_code == 2
+    assert "unknown service 'nope'" in result.stderr
+    assert "gateway, sharder" in result.stderr
+
+
+def test_unknown_service_with_empty_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "SERVICES", {})
+    result = runner.invoke(app, ["service", "gateway"])
+    assert result.exit_code == 2
+    assert "none are registered yet" in result.stderr
+
+
+def test_service_runs_entry_with_extra_args_and_its_exit_code(two_services: None) -> None:
+    CALLS.clear()
+    result = runner.invoke(app, ["service", "sharder", "--replica", "2"])
+    assert result.exit_code == 3
+    assert CALLS == [["--replica", "2"]]
+
+
+def test_service_spec_rejects_malformed_entry() -> None:
+    with pytest.raises(ValueError, match=r"pkg\.module:function"):
+        registry.ServiceSpec(entry="conveyor.services.gateway")
+
+
+def test_down_without_stack_exits_0(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["down", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0
+    assert "nothing to stop" in result.stdout
+    result = runner.invoke(app, ["down", "--state-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == {"stopped": False, "reason": "no stack recorded"}
+
+
+def test_status_without_stack_exits_1(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["status", "--state-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["running"] is False
+    result = runner.invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "No Conveyor stack is running" in result.stdout
+
+
+def test_status_with_corrupt_state_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "stack.json").write_text("{not json")
+    result = runner.invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "is not a usable stack record" in result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_up_rejects_unknown_storage_scheme_before_starting_anything(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--storage-uri", "ftp://x"])
+    assert result.exit_code == 2
+    assert "storage uri must start with file:// or s3://" in result.stderr
+    assert not (tmp_path / "stack.json").exists()
+
+
+def test_up_with_s3_uri_needs_an_endpoint(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--storage-uri", "s3://b"])
+    assert result.exit_code == 1
+    assert "needs an S3 endpoint" in result.stderr
+    assert not (tmp_path / "stack.json").exists()
+
+
+def test_storage_defaults(tmp_path: Path) -> None:
+    local = resolve_storage(tmp_path, {"uri": None, "s3_endpoint": None})
+    assert local.uri == f"file://{(tmp_path / 'objects').resolve()}"
+    s3 = resolve_storage(tmp_path, {"s3_endpoint": "minio:9000", "s3_access_key": "k"})
+    assert (s3.uri, s3.s3_endpoint, s3.s3_access_key) == ("s3://conveyor", "minio:9000", "k")
+    explicit = resolve_storage(tmp_path, {"uri": "s3://data/prefix", "s3_endpoint": "h:1"})
+    assert explicit.uri == "s3://data/prefix"
+
+
+def test_relative_file_uri_becomes_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CONVEYOR_STORAGE_URI", "file://./objs")
+    settings = resolve_storage(Path(".conveyor"), {})
+    assert settings.uri == f"file://{tmp_path.resolve()}/objs"
+
+
+def test_state_round_trip(tmp_path: Path) -> None:
+    process = ProcessInfo(pid=123, start_ticks=456, log_path="/x/gateway.log")
+    state = StackState(
+        state_dir=str(tmp_path),
+        started_at=1.5,
+        bootstrap="127.0.0.1:9092",
+        broker=None,
+        storage_uri="s3://conveyor",
+        storage_endpoint="127.0.0.1:9000",
+        services=(
+            ServiceInfo(
+                name="gateway", process=process, host="127.0.0.1", port=8080, serves_api=True
+            ),
+        ),
+    )
+    save_state(state)
+    assert load_state(tmp_path) == state
+    data = json.loads((tmp_path / "stack.json").read_text())
+    assert data["gateway_url"] == "http://127.0.0.1:8080"
+    assert data["services"][0]["health_url"] == "http://127.0.0.1:8080/healthz"
+    assert data["services"][0]["metrics_url"] == "http://127.0.0.1:8080/metrics"
+    (tmp_path / "stack.json").write_text(json.dumps({**data, "version": 99}))
+    with pytest.raises(StateError, match="version 99"):
+        load_state(tmp_path)
+
+
+def test_is_alive_tells_exited_and_recycled_pids_apart(tmp_path: Path) -> None:
+    me = ProcessInfo.of(os.getpid(), tmp_path / "log")
+    assert me.start_ticks is not None
+    assert is_alive(me)
+    # Same pid, different start time: a recycled pid is not our process.
+    assert not is_alive(ProcessInfo(pid=me.pid, start_ticks=me.start_ticks + 1, log_path=""))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    info = ProcessInfo.of(child.pid, tmp_path / "log")
+    child.wait()
+    assert not is_alive(info)
+    assert start_ticks(child.pid) is None
+
+
+@pytest.mark.parametrize("command", ["up", "down", "status", "service"])
+def test_every_command_has_help(command: str) -> None:
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.stdout
+
+
+def test_start_failure_is_printed_verbatim_without_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    message = "service 'trainer' exited with code 3; log: /x/[bold]/trainer.log\n[/INFO] boom"
+
+    def failing_start(*args: object, **kwargs: object) -> stack.StartOutcome:
+        raise HealthError(message)
+
+    monkeypatch.setattr(stack, "start_stack", failing_start)
+    result = runner.invoke(app, ["up", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_up_on_running_stack_warns_when_options_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running = StackState(
+        state_dir=str(tmp_path),
+        started_at=1.0,
+        bootstrap="127.0.0.1:1234",
+        broker=ProcessInfo(pid=1, start_ticks=None, log_path="/b.log"),
+        storage_uri=f"file://{(tmp_path / 'objects').resolve()}",
+    )
+
+    def already(*args: object, **kwargs: object) -> stack.StartOutcome:
+        return stack.StartOutcome(state=running, already_running=True)
+
+    monkeypatch.setattr(stack, "start_stack", already)
+    same = runner.invoke(app, ["up", "--state-dir", str(tmp_path)])
+    assert same.exit_code == 0
+    assert "already running" in same.stdout and "127.0.0.1:1234" in same.stdout
+    assert "run `conveyor down` first" not in same.stderr
+    other = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--kafka", "k:9092"])
+    assert other.exit_code == 0
+    assert "Kafka 127.0.0.1:1234 (asked: k:9092)" in other.stderr

@@ -1,0 +1,216 @@
+"""The job-state view: event sequences -> states, finality, progress numbers, idempotency."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conveyor.libs.jobview import JobsView, percentile
+from conveyor.libs.messages import JobEvent
+
+SPEC: dict[str, Any] = {"name": "digits-cnn", "training": {"epochs": 3, "max_steps": None}}
+
+
+def ev(job_id: str, event: str, at: float = 1.0, **data: Any) -> JobEvent:
+    return JobEvent(job_id=job_id, event=event, at=at, data=data)
+
+
+def submitted(job_id: str, at: float = 1.0, key: str | None = None, **spec: Any) -> JobEvent:
+    return ev(job_id, "submitted", at, spec={**SPEC, **spec}, idempotency_key=key)
+
+
+def fold(*events: JobEvent, view: JobsView | None = None) -> JobsView:
+    view = view or JobsView()
+    for event in events:
+        view.apply(event)
+    return view
+
+
+def test_submitted_creates_a_pending_job() -> None:
+    view = fold(submitted("a", at=10.0, key="k1"))
+    job = view.get("a")
+    assert job is not None
+    assert (job.state, job.name, job.submitted_at, job.seq) == ("pending", "digits-cnn", 10.0, 1)
+    assert job.idempotency_key == "k1"
+    assert job.progress()["epochs"] == 3
+
+
+@pytest.mark.parametrize(
+    ("events", "state"),
+    [
+        (["planned"], "planned"),
+        (["planned", "running"], "running"),
+        (["planned", "progress"], "running"),  # progress implies running
+        (["planned", "running", "completed"], "completed"),
+        (["failed"], "failed"),
+        (["planned", "running", "cancel_requested", "cancelled"], "cancelled"),
+        (["running", "planned"], "running"),  # states never move back
+    ],
+)
+def test_state_sequences(events: list[str], state: str) -> None:
+    view = fold(submitted("a"), *(ev("a", name, worker_id="w0") for name in events))
+    job = view.get("a")
+    assert job is not None and job.state == state
+
+
+@pytest.mark.parametrize("terminal", ["completed", "failed", "cancelled"])
+def test_terminal_states_are_final(terminal: str) -> None:
+    view = fold(submitted("a"), ev("a", "running", worker_id="w0"), ev("a", terminal, at=5.0))
+    job = view.get("a")
+    assert job is not None
+    seq = job.seq
+    for later in ("running", "progress", "failed", "completed", "cancelled", "cancel_requested"):
+        assert view.apply(ev("a", later, at=9.0, worker_id="w1", step=99, reason="x")) is None
+    assert (job.state, job.seq, job.updated_at, job.cancel_requested) == (terminal, seq, 5.0, False)
+    assert "w1" not in job.workers
+
+
+def test_failed_and_cancelled_keep_their_reason() -> None:
+    view = fold(submitted("a"), ev("a", "failed", reason="dataset unreadable"))
+    view = fold(submitted("b"), ev("b", "cancelled", reason="by user"), view=view)
+    assert view.get("a").reason == "dataset unreadable"  # type: ignore[union-attr]
+    assert view.get("b").reason == "by user"  # type: ignore[union-attr]
+
+
+def test_completed_keeps_the_summary() -> None:
+    summary = {"eval_accuracy": 0.97, "steps": 120}
+    view = fold(submitted("a"), ev("a", "completed", summary=summary))
+    job = view.get("a")
+    assert job is not None and job.summary == summary and job.state == "completed"
+
+
+def test_events_of_unknown_jobs_and_unknown_names_are_ignored() -> None:
+    view = fold(ev("ghost", "planned"), submitted("a"))
+    assert view.get("ghost") is None and len(view) == 1
+    assert view.apply(ev("a", "teleported")) is None
+    assert view.get("a").seq == 1  # type: ignore[union-attr]
+
+
+def test_duplicate_submitted_keeps_the_first() -> None:
+    view = fold(submitted("a", at=1.0, name="first"), submitted("a", at=2.0, name="second"))
+    job = view.get("a")
+    assert job is not None and job.name == "first" and job.submitted_at == 1.0 and job.seq == 1
+
+
+def test_submitted_without_spec_is_ignored() -> None:
+    view = fold(ev("a", "submitted", idempotency_key=None))
+    assert view.get("a") is None
+
+
+def test_idempotency_map_points_at_the_first_job() -> None:
+    view = fold(submitted("a", key="k"), submitted("b", key="k"), submitted("c"))
+    assert view.job_for_key("k").job_id == "a"  # type: ignore[union-attr]
+    assert view.job_for_key("other") is None
+
+
+def test_progress_sums_workers_and_keeps_latest_report_each() -> None:
+    view = fold(
+        submitted("a"),
+        ev("a", "planned", steps_per_epoch=10),
+        ev("a", "progress", at=2.0, worker_id="w0", epoch=0, step=3, samples_trained=96,
+           batches_consumed=3, consumed_train_batches=3, loss=2.0, samples_per_second=100.0,
+           data_wait_ratio=0.1),
+        ev("a", "progress", at=3.0, worker_id="w1", epoch=0, step=4, samples_trained=128,
+           batches_consumed=4, consumed_train_batches=4, loss=1.5, samples_per_second=50.0,
+           data_wait_ratio=0.3),
+        ev("a", "progress", at=4.0, worker_id="w0", epoch=1, step=5, samples_trained=160,
+           batches_consumed=5, consumed_train_batches=5, loss=1.2, samples_per_second=120.0,
+           data_wait_ratio=0.2),
+    )  # fmt: skip
+    job = view.get("a")
+    assert job is not None
+    progress = job.progress()
+    assert progress["epoch"] == 1 and progress["step"] == 5
+    assert progress["samples_trained"] == 160 + 128
+    assert progress["batches_consumed"] == 9 and progress["consumed_train_batches"] == 9
+    assert progress["samples_per_second"] == pytest.approx(170.0)
+    assert progress["data_wait_ratio"] == pytest.approx(0.25)
+    assert progress["loss"] == 1.2
+    assert progress["total_steps"] == 30
+    assert progress["workers"] == ["w0", "w1"]
+    assert job.updated_at == 4.0 and job.seq == 5 and job.state == "running"
+
+
+def test_max_steps_caps_total_steps() -> None:
+    view = fold(
+        submitted("a", training={"epochs": 5, "max_steps": 7}),
+        ev("a", "planned", steps_per_epoch=10),
+    )
+    assert view.get("a").progress()["total_steps"] == 7  # type: ignore[union-attr]
+
+
+def test_malformed_progress_fields_are_ignored_not_fatal() -> None:
+    view = fold(
+        submitted("a"),
+        ev("a", "progress", worker_id="w0", step="many", loss=float("nan"), epoch=True,
+           stage_latency_s={"compute": "slow", "h2d": -1.0, "read": 0.5}),
+    )  # fmt: skip
+    job = view.get("a")
+    assert job is not None
+    progress = job.progress()
+    assert (progress["step"], progress["epoch"], progress["loss"]) == (0, 0, None)
+    assert list(job.stage_percentiles()) == ["read"]
+
+
+def test_epoch_results_by_epoch() -> None:
+    view = fold(
+        submitted("a"),
+        ev("a", "epoch_completed", epoch=0, train_loss=1.0, eval_loss=0.9, eval_accuracy=0.7),
+        ev("a", "epoch_completed", epoch=1, train_loss=0.5, eval_loss=0.4, eval_accuracy=0.9),
+        ev("a", "epoch_completed", train_loss=0.1),  # no epoch: ignored
+    )
+    job = view.get("a")
+    assert job is not None
+    assert job.epochs[1] == {"train_loss": 0.5, "eval_loss": 0.4, "eval_accuracy": 0.9}
+    assert sorted(job.epochs) == [0, 1] and job.seq == 3
+
+
+def test_cancel_requested_is_a_flag_applied_once() -> None:
+    view = fold(submitted("a"), ev("a", "running", worker_id="w"))
+    job = view.apply(ev("a", "cancel_requested"))
+    assert job is not None and job.cancel_requested and job.state == "running"
+    assert view.apply(ev("a", "cancel_requested")) is None
+
+
+def test_stage_percentiles_over_a_bounded_window() -> None:
+    view = JobsView(stage_window=4)
+    view.apply(submitted("a"))
+    for i, latency in enumerate([9.0, 1.0, 2.0, 3.0, 4.0]):
+        view.apply(ev("a", "progress", at=float(i), worker_id="w", stage_latency_s={
+            "compute": latency, "queue_wait": latency / 10}))  # fmt: skip
+    stages = view.get("a").stage_percentiles()  # type: ignore[union-attr]
+    assert set(stages) == {"compute", "queue_wait"}
+    compute = stages["compute"]
+    assert compute["count"] == 4  # 9.0 fell out of the window
+    assert compute["max"] == 4.0 and compute["last"] == 4.0
+    assert compute["p50"] == pytest.approx(2.5)
+    assert compute["p99"] == pytest.approx(3.97)
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+
+
+def test_list_newest_first_with_filter_and_limit() -> None:
+    view = fold(
+        submitted("a", at=1.0), submitted("b", at=3.0), submitted("c", at=2.0),
+        ev("b", "failed", reason="x"),
+    )  # fmt: skip
+    assert [job.job_id for job in view.list()] == ["b", "c", "a"]
+    assert [job.job_id for job in view.list(state="pending")] == ["c", "a"]
+    assert [job.job_id for job in view.list(limit=1)] == ["b"]
+    assert view.counts_by_state()["pending"] == 2 and view.counts_by_state()["failed"] == 1
+
+
+def test_stage_window_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        JobsView(stage_window=0)
+
+
+def test_a_spec_without_training_section_still_reports_progress() -> None:
+    view = fold(ev("a", "submitted", spec={"name": "odd"}), ev("a", "planned", steps_per_epoch=4))
+    progress = view.get("a").progress()  # type: ignore[union-attr]
+    assert (progress["epochs"], progress["total_steps"]) == (0, 0)

@@ -1,0 +1,220 @@
+"""The job spec: every validation rule, its error location, and the shipped examples."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from conveyor.libs.jobspec import JobSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+BASE: dict[str, Any] = {
+    "name": "digits-cnn",
+    "model": {"name": "small_cnn", "num_classes": 10},
+    "dataset": {"uri": "builtin://sklearn-digits"},
+    "training": {
+        "epochs": 2,
+        "global_batch_size": 64,
+        "micro_batch_size": 32,
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    },
+}
+
+
+def spec_with(path: str, value: Any) -> dict[str, Any]:
+    """BASE with the dotted ``path`` set to ``value`` (sections created as needed)."""
+    data = copy.deepcopy(BASE)
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return data
+
+
+def errors_of(data: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(data)
+    return [(tuple(error["loc"]), error["msg"]) for error in info.value.errors()]
+
+
+def test_minimal_spec_gets_documented_defaults() -> None:
+    spec = JobSpec.model_validate(BASE)
+    assert spec.model.options == {"num_classes": 10}
+    assert spec.dataset.eval_fraction == 0.2
+    assert spec.dataset.scheme == "builtin"
+    assert spec.preprocess.normalize is None and spec.preprocess.augment == []
+    assert spec.training.precision == "fp32" and spec.training.seed == 0
+    assert spec.distribution.trainers == 1 and spec.distribution.mode == "sync"
+    assert spec.distribution.compression.kind == "none"
+    assert spec.flow.max_lead_batches == 64
+    assert spec.resources.device == "auto"
+    assert spec.micro_batches_per_step == 2
+    assert spec.shard_size == 8 * 32
+
+
+def test_to_dict_is_json_safe_and_round_trips() -> None:
+    spec = JobSpec.model_validate(spec_with("training.optimizer", {"name": "adam", "lr": 1e-3}))
+    data = spec.to_dict()
+    assert data["training"]["optimizer"]["betas"] == [0.9, 0.999]
+    assert data["model"] == {"name": "small_cnn", "num_classes": 10}
+    assert JobSpec.from_dict(data) == spec
+
+
+@pytest.mark.parametrize("name", ["digits.yaml", "synthetic.yaml"])
+def test_examples_validate(name: str) -> None:
+    spec = JobSpec.from_yaml((EXAMPLES / name).read_text())
+    assert spec.training.global_batch_size % spec.training.micro_batch_size == 0
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_digits_example_matches_the_design() -> None:
+    spec = JobSpec.from_yaml((EXAMPLES / "digits.yaml").read_text())
+    assert spec.name == "digits-cnn"
+    assert spec.dataset.uri == "builtin://sklearn-digits"
+    assert spec.model.name == "small_cnn"
+    assert spec.training.optimizer.name == "sgd" and spec.training.optimizer.momentum == 0.9
+    assert spec.preprocess.normalize is not None and spec.preprocess.normalize.std == [0.5]
+
+
+def test_synthetic_example_augments() -> None:
+    spec = JobSpec.from_yaml((EXAMPLES / "synthetic.yaml").read_text())
+    assert [a.name for a in spec.preprocess.augment] == ["random_crop", "hflip", "cpu_cost"]
+    assert spec.dataset.scheme == "synthetic"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "loc", "fragment"),
+    [
+        ("name", "Digits CNN", ("name",), "pattern"),
+        ("name", "x" * 65, ("name",), "at most 64"),
+        ("dataset.uri", "http://example.com/x", ("dataset", "uri"), "unknown dataset scheme"),
+        ("dataset.uri", "sklearn-digits", ("dataset", "uri"), "<scheme>://"),
+        ("dataset.uri", "builtin://", ("dataset", "uri"), "no location"),
+        ("dataset.eval_fraction", 0.6, ("dataset", "eval_fraction"), "less than or equal"),
+        ("training.epochs", 0, ("training", "epochs"), "greater than or equal to 1"),
+        ("training.micro_batch_size", 30, ("training", "micro_batch_size"), "multiple of"),
+        ("training.precision", "fp8", ("training", "precision"), "'fp32' or 'bf16'"),
+        ("training.optimizer.name", "lion", ("training", "optimizer", "name"), "'sgd'"),
+        ("training.optimizer.lr", 0, ("training", "optimizer", "lr"), "greater than 0"),
+        ("training.optimizer.lr", float("nan"), ("training", "optimizer", "lr"), "finite"),
+        ("distribution.trainers", 0, ("distribution", "trainers"), "greater than or equal"),
+        ("distribution.staleness", -1, ("distribution", "staleness"), "greater than or equal"),
+        ("distribution.mode", "async", ("distribution", "mode"), "'sync' or 'ssp'"),
+        ("resources.device", "tpu", ("resources", "device"), "pattern"),
+        ("resources.memory_fraction", 1.5, ("resources", "memory_fraction"), "less than"),
+        ("checkpoint.uri", "ftp://x", ("checkpoint", "uri"), "file://"),
+        ("checkpoint.keep_last", 0, ("checkpoint", "keep_last"), "greater than or equal"),
+        ("flow.max_lead_batches", 0, ("flow", "max_lead_batches"), "greater than or equal"),
+        ("flow.shard_size", 100, ("flow",), "multiple of training.micro_batch_size"),
+        ("unknown_section", {}, ("unknown_section",), "Extra inputs are not permitted"),
+        ("training.lr", 0.1, ("training", "lr"), "Extra inputs are not permitted"),
+    ],
+)
+def test_each_rule_reports_its_field(
+    path: str, value: Any, loc: tuple[str, ...], fragment: str
+) -> None:
+    errors = errors_of(spec_with(path, value))
+    assert [error_loc for error_loc, _ in errors] == [loc]
+    assert fragment in errors[0][1]
+
+
+def test_global_batch_must_be_a_multiple_of_micro_batch() -> None:
+    [(loc, msg)] = errors_of(spec_with("training.global_batch_size", 100))
+    assert loc == ("training", "micro_batch_size")
+    assert "global_batch_size (100) must be a multiple of micro_batch_size (32)" in msg
+
+
+def test_micro_batch_larger_than_global_is_rejected() -> None:
+    [(loc, _)] = errors_of(spec_with("training.micro_batch_size", 128))
+    assert loc == ("training", "micro_batch_size")
+
+
+@pytest.mark.parametrize(
+    ("compression", "loc", "fragment"),
+    [
+        ({"kind": "topk"}, ("ratio",), "required when kind is topk"),
+        ({"kind": "topk", "ratio": 0.0}, ("ratio",), "greater than 0"),
+        ({"kind": "topk", "ratio": 1.5}, ("ratio",), "less than or equal to 1"),
+        ({"kind": "fp16", "ratio": 0.1}, ("ratio",), "applies to kind topk only"),
+        ({"kind": "zstd"}, ("kind",), "'topk'"),
+    ],
+)
+def test_compression_rules(compression: dict[str, Any], loc: tuple[str], fragment: str) -> None:
+    [(error_loc, msg)] = errors_of(spec_with("distribution.compression", compression))
+    assert error_loc == ("distribution", "compression", *loc)
+    assert fragment in msg
+
+
+def test_topk_with_ratio_is_valid() -> None:
+    compression = {"kind": "topk", "ratio": 0.01, "error_feedback": False}
+    spec = JobSpec.model_validate(spec_with("distribution.compression", compression))
+    assert spec.distribution.compression.ratio == 0.01
+    assert spec.distribution.compression.error_feedback is False
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "fragment"),
+    [
+        ({"name": "adam", "lr": 0.001, "momentum": 0.9}, "sgd only"),
+        ({"name": "sgd", "lr": 0.1, "nesterov": True}, "momentum > 0"),
+        ({"name": "adamw", "lr": 0.1, "betas": [0.9, 1.0]}, "[0, 1)"),
+    ],
+)
+def test_optimizer_cross_field_rules(optimizer: dict[str, Any], fragment: str) -> None:
+    [(loc, msg)] = errors_of(spec_with("training.optimizer", optimizer))
+    assert loc[:3] == ("training", "optimizer", loc[2]) and loc[2] in {"nesterov", "betas"}
+    assert fragment in msg
+
+
+def test_normalize_lengths_and_std_must_agree() -> None:
+    bad_len = spec_with("preprocess.normalize", {"mean": [0.5, 0.5], "std": [0.5]})
+    [(loc, msg)] = errors_of(bad_len)
+    assert loc == ("preprocess", "normalize", "std") and "std has 1 values but mean has 2" in msg
+    zero_std = spec_with("preprocess.normalize", {"mean": [0.5], "std": [0.0]})
+    [(loc, msg)] = errors_of(zero_std)
+    assert loc == ("preprocess", "normalize", "std") and "> 0" in msg
+
+
+def test_augment_is_a_tagged_union() -> None:
+    [(loc, msg)] = errors_of(spec_with("preprocess.augment", [{"name": "rotate"}]))
+    assert loc == ("preprocess", "augment", 0) and "random_crop" in msg
+    [(loc, _)] = errors_of(spec_with("preprocess.augment", [{"name": "hflip", "p": 2}]))
+    assert loc == ("preprocess", "augment", 0, "hflip", "p")
+    ok = JobSpec.model_validate(spec_with("preprocess.augment", [{"name": "random_crop"}]))
+    assert ok.preprocess.augment[0].name == "random_crop"
+
+
+def test_model_options_must_be_plain_values() -> None:
+    errors = errors_of(spec_with("model", {"name": "mlp", "hidden": {"a": 1}}))
+    assert errors and all(loc[:2] == ("model", "hidden") for loc, _ in errors)
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
+def test_devices_accepted(device: str) -> None:
+    assert JobSpec.model_validate(spec_with("resources.device", device)).resources.device == device
+
+
+def test_explicit_shard_size_wins() -> None:
+    spec = JobSpec.model_validate(spec_with("flow.shard_size", 96))
+    assert spec.shard_size == 96
+
+
+def test_from_yaml_errors_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="not valid YAML"):
+        JobSpec.from_yaml("name: [unclosed")
+    with pytest.raises(ValueError, match="mapping"):
+        JobSpec.from_yaml("- a\n- b\n")
+    with pytest.raises(ValidationError):
+        JobSpec.from_yaml("name: x\n")
+
+
+def test_spec_is_immutable() -> None:
+    spec = JobSpec.model_validate(BASE)
+    with pytest.raises(ValidationError):
+        spec.name = "other"  # type: ignore[misc]

@@ -1,0 +1,250 @@
+"""Message registry, field specs derived from annotations, v1 schema checks and topic names."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from conveyor.libs.messages import (
+    Batch,
+    DeadLetter,
+    FieldKind,
+    Heartbeat,
+    JobEvent,
+    Message,
+    ShardTask,
+    Topics,
+    message,
+    registered_messages,
+    schema_for,
+)
+
+
+def unique_name() -> str:
+    return f"tests.messages.{uuid.uuid4().hex[:8]}"
+
+
+def test_v1_schemas_are_registered_with_name_and_version() -> None:
+    registry = registered_messages()
+    for cls in (DeadLetter, JobEvent, ShardTask, Batch, Heartbeat):
+        assert registry[cls.__name__] is cls
+        assert cls.__name__ == cls.TYPE
+        assert cls.VERSION == 1
+
+
+def test_batch_field_specs_follow_the_annotations() -> None:
+    schema = schema_for("Batch")
+    assert schema is not None and schema.cls is Batch and schema.version == 1
+    specs = {spec.name: spec for spec in schema.fields}
+    assert list(specs) == [
+        "job_id", "batch_id", "shard_id", "epoch", "split", "sample_ids", "x", "y", "timestamps",
+    ]  # fmt: skip
+    assert specs["x"].kind is FieldKind.TENSOR and specs["y"].kind is FieldKind.TENSOR
+    assert specs["sample_ids"].types == {list} and specs["sample_ids"].item_types == {int}
+    assert specs["timestamps"].types == {dict} and specs["timestamps"].item_types == {float, int}
+    assert specs["epoch"].types == {int} and not specs["epoch"].nested
+    assert schema_for("NoSuchMessage") is None
+
+
+@dataclass(kw_only=True, slots=True)
+class Annotated(Message):
+    maybe_bytes: bytes | None
+    number: int | str
+    floats: list[float]
+    matrix: list[list[int]]
+    anything: Any
+    config: dict[str, Any]
+    maybe_ids: list[int] | None
+    weights: dict[str, Tensor]
+
+
+def test_field_specs_of_unions_nesting_and_tensor_dicts() -> None:
+    message(unique_name(), version=3)(Annotated)
+    schema = schema_for(Annotated.TYPE)
+    assert schema is not None and Annotated.VERSION == 3
+    specs = {spec.name: spec for spec in schema.fields}
+    assert specs["maybe_bytes"].types == {bytes, type(None)}
+    assert specs["number"].types == {int, str}
+    assert specs["floats"].item_types == {float, int}
+    assert specs["matrix"].types == {list} and specs["matrix"].item_types is None
+    assert specs["matrix"].nested
+    assert specs["anything"].types is None and specs["anything"].nested
+    assert specs["config"].types == {dict} and specs["config"].nested
+    assert specs["maybe_ids"].types == {list, type(None)} and specs["maybe_ids"].item_types == {int}
+    assert specs["weights"].kind is FieldKind.TENSOR_DICT
+
+
+def test_duplicate_name_is_rejected_and_the_first_class_stays() -> None:
+    name = unique_name()
+
+    @message(name, version=1)
+    @dataclass(kw_only=True, slots=True)
+    class First(Message):
+        a: int
+
+    with pytest.raises(ValueError, match="already taken"):
+
+        @message(name, version=2)
+        @dataclass(kw_only=True, slots=True)
+        class Second(Message):
+            a: int
+
+    assert registered_messages()[name] is First
+    with pytest.raises(ValueError, match="already taken"):
+        message("Batch", version=2)(First)
+
+
+def test_registration_rejects_bad_classes() -> None:
+    @dataclass(kw_only=True)
+    class NoSlots(Message):
+        a: int
+
+    @dataclass(slots=True)
+    class Positional(Message):
+        a: int
+
+    @dataclass(kw_only=True, slots=True)
+    class Reserved(Message):
+        type: str
+
+    class NotADataclass(Message):
+        pass
+
+    @dataclass(kw_only=True, slots=True)
+    class NotAMessage:
+        a: int
+
+    for cls, reason in [
+        (NoSlots, "slots=True"),
+        (Positional, "kw_only=True"),
+        (Reserved, "reserved"),
+        (NotADataclass, "@dataclass"),
+        (NotAMessage, "must subclass Message"),
+    ]:
+        name = unique_name()
+        with pytest.raises(ValueError, match=reason):
+            message(name, version=1)(cls)
+        assert name not in registered_messages()
+    with pytest.raises(ValueError, match="version"):
+        message(unique_name(), version=0)
+    with pytest.raises(ValueError, match="name"):
+        message("", version=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorList(Message):
+    tensors: list[Tensor]
+
+
+@dataclass(kw_only=True, slots=True)
+class IntKeys(Message):
+    table: dict[int, str]
+
+
+@dataclass(kw_only=True, slots=True)
+class OptionalTensor(Message):
+    t: Tensor | None
+
+
+@dataclass(kw_only=True, slots=True)
+class SetField(Message):
+    s: set[int]
+
+
+@pytest.mark.parametrize(
+    ("cls", "reason"),
+    [
+        (TensorList, "TensorList.tensors: unsupported field type"),
+        (IntKeys, "dict keys must be str"),
+        (OptionalTensor, "OptionalTensor.t: unsupported field type"),
+        (SetField, "SetField.s: unsupported field type"),
+    ],
+)
+def test_registration_rejects_annotations_the_codec_cannot_carry(
+    cls: type[Message], reason: str
+) -> None:
+    name = unique_name()
+    with pytest.raises(TypeError, match=reason):
+        message(name, version=1)(cls)
+    assert name not in registered_messages()
+
+
+def make_batch(**overrides: Any) -> Batch:
+    fields: dict[str, Any] = {
+        "job_id": "j",
+        "batch_id": "b",
+        "shard_id": "s",
+        "epoch": 0,
+        "split": "train",
+        "sample_ids": [1, 2],
+        "x": torch.zeros(2, 1, 4, 4, dtype=torch.uint8),
+        "y": torch.zeros(2, dtype=torch.int64),
+        "timestamps": {},
+    }
+    fields.update(overrides)
+    return Batch(**fields)
+
+
+def test_batch_checks_its_contract() -> None:
+    assert make_batch().x.shape == (2, 1, 4, 4)
+    for overrides, reason in [
+        ({"split": "test"}, "split"),
+        ({"x": torch.zeros(2, 1, 4, 4)}, "x must be uint8"),
+        ({"x": torch.zeros(2, 16, dtype=torch.uint8)}, "x must be uint8"),
+        ({"y": torch.zeros(2, dtype=torch.int32)}, "y must be int64"),
+        ({"y": torch.zeros(3, dtype=torch.int64)}, "y must be int64"),
+        ({"sample_ids": [1]}, "1 sample_ids for 2 rows"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            make_batch(**overrides)
+
+
+def test_shard_task_checks_split_and_batch_size() -> None:
+    fields: dict[str, Any] = {
+        "job_id": "j", "shard_id": "s", "epoch": 0, "index": 0, "split": "eval",
+        "dataset_uri": "builtin://sklearn-digits", "sample_ids": [1], "micro_batch_size": 8,
+        "seed": 0, "preprocess": {},
+    }  # fmt: skip
+    assert ShardTask(**fields).split == "eval"
+    with pytest.raises(ValueError, match="split"):
+        ShardTask(**{**fields, "split": "validation"})
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        ShardTask(**{**fields, "micro_batch_size": 0})
+
+
+def test_topic_names() -> None:
+    topics = Topics("conveyor.")
+    assert (topics.jobs, topics.shards, topics.dlq) == (
+        "conveyor.jobs",
+        "conveyor.shards",
+        "conveyor.dlq",
+    )
+    assert topics.batches("job-42") == "conveyor.job.job-42.batches"
+    assert topics.grads("job-42") == "conveyor.job.job-42.grads"
+    assert topics.params("job-42") == "conveyor.job.job-42.params"
+    assert topics.control("job-42") == "conveyor.job.job-42.control"
+    assert topics.job_topics("a_1") == (
+        "conveyor.job.a_1.batches",
+        "conveyor.job.a_1.grads",
+        "conveyor.job.a_1.params",
+        "conveyor.job.a_1.control",
+    )
+    assert Topics("t0123abcd.").dlq == "t0123abcd.dlq"
+    assert Topics("").jobs == "jobs"
+
+
+@pytest.mark.parametrize("prefix", ["con veyor.", "conveyor/", "x" * 101])
+def test_invalid_topic_prefix_is_rejected(prefix: str) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        Topics(prefix)
+
+
+@pytest.mark.parametrize("job_id", ["", "a.b", "a/b", "ü", "x" * 129])
+def test_invalid_job_id_is_rejected(job_id: str) -> None:
+    with pytest.raises(ValueError, match="job id"):
+        Topics("conveyor.").batches(job_id)
