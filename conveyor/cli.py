@@ -11,13 +11,14 @@ import json
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape
 
+from conveyor import cli_jobs
+from conveyor.cli_options import DEFAULT_STATE_DIR, JsonFlag, StateDir, err, fail, out
 from conveyor.embedded import registry
 from conveyor.libs.errors import ConveyorError
 
@@ -32,29 +33,9 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals may hold credentials
 )
 
-StateDir = Annotated[
-    Path,
-    typer.Option(
-        "--state-dir",
-        envvar="CONVEYOR_STATE_DIR",
-        help="Directory holding stack.json, logs/ and the local object store.",
-    ),
-]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
-DEFAULT_STATE_DIR = Path(".conveyor")
-
-
-def _out() -> Console:
-    return Console()
-
-
-def _err() -> Console:
-    return Console(stderr=True)
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    _err().print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True, highlight=False)
-    raise typer.Exit(code)
+_out = out
+_err = err
+_fail = fail
 
 
 def _print_json(data: dict[str, Any]) -> None:
@@ -93,12 +74,25 @@ def up(
     health_timeout_s: Annotated[
         float, typer.Option(help="Seconds the services may take to become healthy.")
     ] = 60.0,
+    scale: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--scale",
+            metavar="NAME=N",
+            help="Run N processes of service NAME (each with its own port and log file "
+            "NAME-1.log ..; 0 leaves it out). Repeatable: --scale preprocessor=2 --scale ...",
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Start the embedded stack (broker, object store, every service) and print its URLs."""
     from conveyor.embedded import display, stack
     from conveyor.embedded.store import resolve_storage
 
+    try:
+        replicas = registry.parse_scale(scale or [])
+    except (registry.UnknownServiceError, ValueError) as exc:
+        _fail(str(exc), code=2)
     try:
         storage = resolve_storage(
             state_dir,
@@ -123,6 +117,7 @@ def up(
         storage=storage,
         kafka_bootstrap=kafka,
         health_timeout_s=health_timeout_s,
+        scale=replicas,
     )
     err = _err()
     # In the foreground, a SIGTERM that lands while the stack is starting must still stop it:
@@ -144,7 +139,7 @@ def up(
     if outcome.replaced_stale:
         err.print("[yellow]a stale stack record was cleaned up[/yellow]")
     if outcome.already_running:
-        _warn_ignored_options(outcome.state, kafka=kafka, storage_uri=storage.uri)
+        _warn_ignored_options(outcome.state, kafka=kafka, storage_uri=storage.uri, scale=replicas)
     if as_json:
         _print_json(display.started_json(outcome))
     else:
@@ -153,13 +148,19 @@ def up(
         raise typer.Exit(_run_foreground(state_dir, outcome.state, stop, previous))
 
 
-def _warn_ignored_options(state: StackState, *, kafka: str | None, storage_uri: str) -> None:
+def _warn_ignored_options(
+    state: StackState, *, kafka: str | None, storage_uri: str, scale: dict[str, int]
+) -> None:
     """A running stack is reused as is: say so when the options asked for something else."""
     differs = []
     if kafka is not None and kafka != state.bootstrap:
         differs.append(f"Kafka {state.bootstrap} (asked: {kafka})")
     if storage_uri != state.storage_uri:
         differs.append(f"object store {state.storage_uri} (asked: {storage_uri})")
+    running = registry.replica_counts(s.name for s in state.services)
+    for name, count in sorted(scale.items()):
+        if running.get(name, 0) != count:
+            differs.append(f"{running.get(name, 0)} {name} process(es) (asked: {count})")
     if differs:
         _err().print(
             f"[yellow]the running stack uses {escape('; '.join(differs))}; "
@@ -255,6 +256,9 @@ def service(
         _fail(str(exc), code=2)
     entry = registry.load_entry(spec)
     raise typer.Exit(entry(list(ctx.args)) or 0)
+
+
+cli_jobs.register(app)
 
 
 def main() -> None:

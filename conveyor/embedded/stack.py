@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from conveyor.embedded import registry
@@ -67,6 +67,9 @@ class StackConfig:
     """How long all services together may take to answer /healthz."""
     stop_timeout_s: float = 15.0
     """Grace period between SIGTERM and SIGKILL when tearing down after a failed start."""
+    scale: Mapping[str, int] = field(default_factory=dict)
+    """Processes per service (``conveyor up --scale NAME=N``); services not named run once,
+    0 leaves a service out. Replicas are named by :func:`registry.instance_names`."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -164,13 +167,18 @@ def _start_fresh(
     save_state(state)
     try:
         started: list[tuple[ServiceInfo, subprocess.Popen[bytes]]] = []
-        for name, spec in services.items():
-            notify(f"Starting service {name}")
+        instances = [
+            (instance, name, spec)
+            for name, spec in services.items()
+            for instance in registry.instance_names(name, config.scale.get(name, 1))
+        ]
+        for instance, name, spec in instances:
+            notify(f"Starting service {instance}")
             port = free_port(config.host)
-            log_path = logs / f"{name}.log"
+            log_path = logs / f"{instance}.log"
             process = _spawn(argv_for(name), _service_env(config, bootstrap, port), log_path)
             info = ServiceInfo(
-                name=name,
+                name=instance,
                 process=ProcessInfo.of(process.pid, log_path),
                 host=config.host,
                 port=port,
@@ -212,9 +220,18 @@ def start_stack(
     :class:`~conveyor.embedded.store.StoreSetupError` or
     :class:`~conveyor.embedded.health.HealthError` (naming the service and its log).
     ``services`` defaults to :data:`conveyor.embedded.registry.SERVICES`; ``argv_for``
-    builds each service's command line (tests substitute stand-ins).
+    builds each service's command line (tests substitute stand-ins). ``config.scale`` may only
+    name registered services (else :class:`StackError`, before anything starts).
     """
     registered = registry.SERVICES if services is None else services
+    unknown = sorted(set(config.scale) - set(registered))
+    if unknown:
+        raise StackError(
+            f"cannot scale unregistered service(s) {', '.join(unknown)}; "
+            f"known: {', '.join(registered)}"
+        )
+    if any(count < 0 for count in config.scale.values()):
+        raise StackError(f"replica counts must be >= 0, got {dict(config.scale)}")
     with state_lock(config.state_dir):
         existing = load_state(config.state_dir)
         replaced = False

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from conveyor.embedded.health import HealthError
 from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.registry import ServiceSpec
 from conveyor.embedded.report import probe_stack
-from conveyor.embedded.stack import StackConfig, start_stack, stop_stack
+from conveyor.embedded.stack import StackConfig, StackError, start_stack, stop_stack
 from conveyor.embedded.state import StackState, load_state
 from conveyor.libs.config import StorageSettings
 
@@ -316,3 +317,35 @@ def test_service_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     assert stopped.result.killed == (state.services[0].process.pid,)
     assert state.broker is not None and stopped.result.terminated == (state.broker.pid,)
     assert not any(is_alive(p) for p in state.processes())
+
+
+def test_scaled_service_runs_one_process_port_and_log_per_replica(tmp_path: Path) -> None:
+    config, kwargs = _stack(tmp_path, {"gateway": "ok", "preprocessor": "ok", "trainer": "ok"})
+    config = replace(config, scale={"preprocessor": 2, "trainer": 0})
+    state = start_stack(config, **kwargs).state
+    try:
+        assert [s.name for s in state.services] == ["gateway", "preprocessor-1", "preprocessor-2"]
+        replicas = state.services[1:]
+        assert len({s.port for s in state.services}) == 3
+        assert len({s.process.pid for s in state.services}) == 3
+        logs = config.state_dir.resolve() / "logs"
+        assert [s.process.log_path for s in replicas] == [
+            str(logs / "preprocessor-1.log"),
+            str(logs / "preprocessor-2.log"),
+        ]
+        for replica in replicas:
+            seen = httpx.get(replica.health_url, timeout=5).json()
+            assert seen["CONVEYOR_TELEMETRY_HTTP_PORT"] == str(replica.port)
+            assert seen["CONVEYOR_KAFKA_BOOTSTRAP"] == state.bootstrap
+        assert probe_stack(state).healthy
+    finally:
+        stopped = stop_stack(config.state_dir, timeout_s=5.0)
+    assert stopped is not None
+    assert sorted(stopped.result.terminated) == sorted(p.pid for p in state.processes())
+
+
+def test_scaling_an_unregistered_service_starts_nothing(tmp_path: Path) -> None:
+    config, kwargs = _stack(tmp_path, {"gateway": "ok"})
+    with pytest.raises(StackError, match="unregistered service"):
+        start_stack(replace(config, scale={"nope": 2}), **kwargs)
+    assert load_state(config.state_dir) is None

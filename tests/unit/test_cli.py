@@ -220,3 +220,68 @@ def test_up_on_running_stack_warns_when_options_differ(
     other = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--kafka", "k:9092"])
     assert other.exit_code == 0
     assert "Kafka 127.0.0.1:1234 (asked: k:9092)" in other.stderr
+
+
+def test_scale_parses_counts_and_names_replicas(two_services: None) -> None:
+    assert registry.parse_scale(["sharder=2", " gateway = 0 ", "sharder=3"]) == {
+        "sharder": 3,
+        "gateway": 0,
+    }
+    assert registry.instance_names("sharder", 1) == ["sharder"]
+    assert registry.instance_names("sharder", 3) == ["sharder-1", "sharder-2", "sharder-3"]
+    assert registry.instance_names("sharder", 0) == []
+    assert registry.replica_counts(["gateway", "sharder-1", "sharder-2", "other-1"]) == {
+        "gateway": 1,
+        "sharder": 2,
+        "other-1": 1,
+    }
+    for bad in ("sharder", "sharder=", "sharder=-1", "sharder=two", "=2"):
+        with pytest.raises(ValueError, match="NAME=N"):
+            registry.parse_scale([bad])
+    with pytest.raises(ValueError, match="at most"):
+        registry.parse_scale([f"sharder={registry.MAX_REPLICAS + 1}"])
+    with pytest.raises(registry.UnknownServiceError, match="unknown service 'nope'"):
+        registry.parse_scale(["nope=2"])
+
+
+def test_up_rejects_bad_scale_before_starting_anything(
+    tmp_path: Path, two_services: None
+) -> None:
+    unknown = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--scale", "nope=2"])
+    assert unknown.exit_code == 2
+    assert "unknown service 'nope'" in unknown.stderr
+    malformed = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--scale", "sharder"])
+    assert malformed.exit_code == 2
+    assert "--scale expects NAME=N" in malformed.stderr
+    assert not (tmp_path / "stack.json").exists()
+
+
+def test_up_passes_scale_and_warns_when_running_stack_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_services: None
+) -> None:
+    process = ProcessInfo(pid=1, start_ticks=None, log_path="/s.log")
+    running = StackState(
+        state_dir=str(tmp_path),
+        started_at=1.0,
+        bootstrap="127.0.0.1:1234",
+        broker=None,
+        storage_uri=f"file://{(tmp_path / 'objects').resolve()}",
+        services=tuple(
+            ServiceInfo(name=name, process=process, host="127.0.0.1", port=port)
+            for port, name in enumerate(["gateway", "sharder-1", "sharder-2"], start=1000)
+        ),
+    )
+    configs: list[stack.StackConfig] = []
+
+    def already(config: stack.StackConfig, **kwargs: object) -> stack.StartOutcome:
+        configs.append(config)
+        return stack.StartOutcome(state=running, already_running=True)
+
+    monkeypatch.setattr(stack, "start_stack", already)
+    same = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--scale", "sharder=2"])
+    assert same.exit_code == 0, same.output
+    assert configs[-1].scale == {"sharder": 2}
+    assert "run `conveyor down` first" not in same.stderr
+    other = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--scale", "sharder=3"])
+    assert other.exit_code == 0
+    assert "2 sharder process(es) (asked: 3)" in other.stderr
