@@ -16,7 +16,9 @@ Fold rules:
   A ``progress`` implies running. Terminal states are final: later events are ignored.
 - Events for a job never submitted, and unknown event names, are ignored.
 - Progress counters in ``progress`` events are each trainer's own; the view keeps the latest
-  report per worker and sums counters and rates over workers (step and epoch: the maximum).
+  report per worker and sums counters and rates over workers (step and epoch: the maximum),
+  except for a one-trainer job, whose latest report alone counts (a restarted trainer's
+  counters include its predecessor's).
 - ``stage_latency_s`` ({stage: seconds}) of each progress report is kept in a bounded window
   per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99.
 """
@@ -119,9 +121,21 @@ class JobView:
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
 
+    def _single_trainer(self) -> bool:
+        distribution = self.spec.get("distribution")
+        return isinstance(distribution, dict) and distribution.get("trainers") == 1
+
     def progress(self) -> dict[str, Any]:
-        """Job-level progress: counters summed over workers, step/epoch maxima, mean wait."""
+        """Job-level progress: counters summed over workers, step/epoch maxima, mean wait.
+
+        A job of one trainer (``distribution.trainers == 1``) takes the latest report alone: a
+        trainer restarted from its checkpoint reports, under a new worker id, counters that
+        already include its predecessor's, so a sum would count them twice (the sharder's
+        flow control reads such a job the same way).
+        """
         reports = list(self.workers.values())
+        if self._single_trainer() and reports:
+            reports = [max(reversed(reports), key=lambda report: report.at)]
         totals: dict[str, Any] = {
             name: sum(getattr(report, name) for report in reports) for name in _SUMMED_COUNTERS
         }
@@ -472,10 +486,25 @@ class JobLogReader:
     def _check_caught_up(self) -> None:
         if self._caught_up.is_set():
             return
-        if all(self._positions.get(p, 0) >= end for p, end in self._targets.items()):
+        if all(
+            self._positions.get(p, 0) >= self._replay_target(p, end)
+            for p, end in self._targets.items()
+        ):
             self._update_gauge()
             self._caught_up.set()
             logger.info("jobs view caught up: %d jobs", len(self._view))
+
+    def _replay_target(self, partition: int, end_offset: int) -> int:
+        """The offset replay must reach before the view counts as caught up.
+
+        The embedded broker (Tansu 0.6) answers ListOffsets with the base offset of the last
+        record batch + 1, which undercounts when that batch holds several records; the
+        high-water mark in fetch responses is right, so the larger of the two is used once a
+        fetch has reported it."""
+        if self._consumer is None:
+            return end_offset
+        highwater = self._consumer.highwater(TopicPartition(self._topic, partition))
+        return max(end_offset, highwater or 0)
 
     def _update_gauge(self) -> None:
         counts = self._view.counts_by_state()

@@ -244,9 +244,7 @@ def test_scale_parses_counts_and_names_replicas(two_services: None) -> None:
         registry.parse_scale(["nope=2"])
 
 
-def test_up_rejects_bad_scale_before_starting_anything(
-    tmp_path: Path, two_services: None
-) -> None:
+def test_up_rejects_bad_scale_before_starting_anything(tmp_path: Path, two_services: None) -> None:
     unknown = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--scale", "nope=2"])
     assert unknown.exit_code == 2
     assert "unknown service 'nope'" in unknown.stderr

@@ -132,6 +132,28 @@ def test_progress_sums_workers_and_keeps_latest_report_each() -> None:
     assert job.updated_at == 4.0 and job.seq == 5 and job.state == "running"
 
 
+def test_one_trainer_job_takes_the_latest_report_not_the_sum() -> None:
+    # The trainer w0 died after step 2; w1 resumed from its checkpoint of step 1 and reports
+    # counters that include w0's work up to that checkpoint.
+    view = fold(
+        submitted("a", distribution={"trainers": 1}),
+        ev("a", "planned", steps_per_epoch=10),
+        ev("a", "progress", at=2.0, worker_id="w0", epoch=0, step=2, samples_trained=64,
+           batches_consumed=2, consumed_train_batches=2, samples_per_second=100.0),
+        ev("a", "running", at=3.0, worker_id="w1"),
+        ev("a", "progress", at=4.0, worker_id="w1", epoch=0, step=3, samples_trained=96,
+           batches_consumed=3, consumed_train_batches=3, samples_per_second=80.0),
+    )  # fmt: skip
+    progress = view.get("a").progress()  # type: ignore[union-attr]
+    assert (progress["step"], progress["samples_trained"], progress["batches_consumed"]) == (
+        3,
+        96,
+        3,
+    )
+    assert progress["samples_per_second"] == pytest.approx(80.0)
+    assert progress["workers"] == ["w0", "w1"]
+
+
 def test_max_steps_caps_total_steps() -> None:
     view = fold(
         submitted("a", training={"epochs": 5, "max_steps": 7}),

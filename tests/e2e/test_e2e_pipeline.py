@@ -1,0 +1,205 @@
+"""The data plane end to end on one embedded stack whose object store is S3 (`conveyor up
+--s3` against a moto server), one process per service: a normal run and a run over an npz
+dataset in S3 train every sample exactly once, bad input fails cleanly without hurting the
+stack, and a trainer SIGKILLed mid-job is replaced and its job still trains every sample
+exactly once. (The flow-control stack of test_e2e_flow.py covers the file:// object store.)
+
+The tests share one stack (starting one costs ~30 s on two loaded cores) and run in file
+order; the trainer restart, which leaves the recorded trainer dead, is last.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_stack import (
+    DIGITS_SAMPLES,
+    RunningStack,
+    assert_exactly_once,
+    digits_arrays,
+    digits_spec,
+    list_topics,
+    pack_dataset,
+    running_stack,
+    wait_for,
+    write_digits_npz,
+)
+
+from conveyor.embedded.report import probe_stack
+from conveyor.libs.config import StorageSettings
+from conveyor.libs.datasets.pack import pack_npz
+from conveyor.libs.storage import ObjectNotFound
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server: dict[str, str]) -> dict[str, str]:
+    """The moto endpoint plus a bucket name of this module; `conveyor up` creates the bucket."""
+    return {**s3_server, "bucket": f"e2e-{uuid.uuid4().hex[:10]}"}
+
+
+@pytest.fixture(scope="module")
+def s3_env(s3: dict[str, str]) -> dict[str, str]:
+    """S3 settings of `conveyor dataset pack`."""
+    return {
+        "CONVEYOR_STORAGE_S3_ENDPOINT": s3["endpoint"],
+        "CONVEYOR_STORAGE_S3_ACCESS_KEY": s3["access_key"],
+        "CONVEYOR_STORAGE_S3_SECRET_KEY": s3["secret_key"],
+        "CONVEYOR_STORAGE_S3_REGION": s3["region"],
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, str]) -> Iterator[RunningStack]:
+    storage_uri = f"s3://{s3['bucket']}/stack"
+    args = [
+        *("--s3", s3["endpoint"]),
+        *("--s3-access-key", s3["access_key"]),
+        *("--s3-secret-key", s3["secret_key"]),
+        *("--s3-region", s3["region"]),
+        *("--storage-uri", storage_uri),
+    ]
+    storage = StorageSettings(
+        uri=storage_uri,
+        s3_endpoint=s3["endpoint"],
+        s3_access_key=s3["access_key"],
+        s3_secret_key=s3["secret_key"],
+        s3_region=s3["region"],
+    )
+    state_dir = tmp_path_factory.mktemp("pipeline") / "state"
+    with running_stack(state_dir, args=args, storage=storage) as running:
+        assert running.state.storage_uri == storage_uri
+        yield running
+
+
+def assert_completed_summary(stack: RunningStack, job: dict[str, object], epochs: int) -> None:
+    assert job["state"] == "completed", job.get("reason")
+    summary = job["summary"]
+    plan = job["plan"]
+    assert isinstance(summary, dict) and isinstance(plan, dict)
+    assert summary["epochs"] == epochs
+    assert summary["steps"] == plan["steps_per_epoch"] * epochs
+    assert summary["samples"] == plan["num_train"] * epochs
+    assert summary["checkpoint"] == stack.store().uri_for(f"jobs/{job['id']}/model.safetensors")
+    assert stack.store().exists(f"jobs/{job['id']}/model.safetensors")
+
+
+def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack) -> None:
+    job_id = stack.submit(digits_spec("ledger-normal"))
+    job = stack.wait_job(job_id)
+    assert_completed_summary(stack, job, epochs=2)
+    assert job["summary"]["eval_accuracy"] > 0.8
+    assert [e["epoch"] for e in job["epochs"]] == [0, 1]
+    train_ids = stack.train_ids(job)
+    assert len(train_ids) == DIGITS_SAMPLES - int(DIGITS_SAMPLES * 0.2)
+    assert_exactly_once(stack.ledger(job_id), train_ids, epochs=2)
+
+
+def test_npz_dataset_in_s3_trains_every_sample_exactly_once(
+    stack: RunningStack, s3: dict[str, str], s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    source = write_digits_npz(tmp_path / "digits.npz")
+    dest = f"s3://{s3['bucket']}/datasets/digits"
+    uri = pack_dataset(source, dest, shard_size=500, env=s3_env)
+    assert uri == f"npz://{dest}"
+    job_id = stack.submit(digits_spec("npz-in-s3", dataset={"uri": uri, "eval_fraction": 0.2}))
+    job = stack.wait_job(job_id)
+    assert_completed_summary(stack, job, epochs=2)
+    assert job["summary"]["checkpoint"].startswith(f"s3://{s3['bucket']}/stack/jobs/")
+    assert job["summary"]["eval_accuracy"] > 0.8
+    assert job["plan"]["num_train"] + job["plan"]["num_eval"] == DIGITS_SAMPLES
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
+
+
+def test_bad_spec_is_rejected_with_field_locations(stack: RunningStack) -> None:
+    before = len(stack.gateway.jobs(limit=1000))
+    spec = digits_spec("Not A Valid Name!", color="blue")
+    spec["training"] = {**spec["training"], "optimizer": {"name": "rmsprop", "lr": 0.1}}
+    spec["dataset"] = {**spec["dataset"], "eval_fraction": 0.9}
+    response = httpx.post(f"{stack.state.gateway_url}/v1/jobs", json=spec, timeout=10)
+    assert response.status_code == 422, response.text
+    locations = {tuple(error["loc"]) for error in response.json()["detail"]}
+    assert {
+        ("body", "name"),
+        ("body", "color"),
+        ("body", "dataset", "eval_fraction"),
+        ("body", "training", "optimizer", "name"),
+    } <= locations, locations
+    assert all(error["msg"] for error in response.json()["detail"])
+    # Nothing was accepted.
+    assert len(stack.gateway.jobs(limit=1000)) == before
+
+
+def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    missing = stack.submit(digits_spec("missing-data", dataset={"uri": "npz:///nonexistent"}))
+    # A later shard is corrupted: the sharder's open (which checks the first shard) succeeds,
+    # the preprocessor's read of the broken shard fails the job.
+    uri = pack_npz(*digits_arrays(), str(tmp_path / "npz"), shard_size=450).uri
+    shard = tmp_path / "npz" / "shard-00002.npz"
+    shard.write_bytes(b"not an npz file" + shard.read_bytes()[15:])
+    corrupt = stack.submit(digits_spec("corrupt-data", dataset={"uri": uri, "eval_fraction": 0.2}))
+
+    failed = stack.wait_job(missing, timeout_s=30)
+    assert failed["state"] == "failed"
+    assert "npz:///nonexistent" in failed["reason"] and "does not exist" in failed["reason"]
+    failed = stack.wait_job(corrupt, timeout_s=60)
+    assert failed["state"] == "failed"
+    assert "shard-00002.npz is corrupt" in failed["reason"], failed["reason"]
+
+    # The failed job's topics are deleted; every service still runs and is healthy.
+    wait_for(
+        lambda: not any(corrupt in topic for topic in list_topics(stack.state.bootstrap)),
+        timeout_s=20,
+        what=f"the topics of job {corrupt} to be deleted",
+    )
+    assert all(stack.alive().values()), stack.alive()
+    assert probe_stack(stack.state).healthy
+
+    good = stack.submit(digits_spec("after-failures", epochs=1))
+    job = stack.wait_job(good)
+    assert_completed_summary(stack, job, epochs=1)
+    assert_exactly_once(stack.ledger(good), stack.train_ids(job), epochs=1)
+
+
+def test_trainer_killed_after_a_checkpoint_is_replaced_without_loss_or_repeat(
+    stack: RunningStack,
+) -> None:
+    env = stack.environ_of("trainer")  # the replacement runs with the stack's settings
+    spec = digits_spec("trainer-restart", checkpoint={"every_steps": 3, "keep_last": 2})
+    job_id = stack.submit(spec)
+    store = stack.store()
+
+    def checkpointed_step() -> int | None:
+        try:
+            pointer = json.loads(store.get_bytes(f"jobs/{job_id}/trainer/latest"))
+        except ObjectNotFound:
+            return None
+        return int(pointer["step"])
+
+    step = wait_for(checkpointed_step, timeout_s=60, interval_s=0.02, what="a trainer checkpoint")
+    stack.kill("trainer")
+    at_kill = stack.job(job_id)
+    assert at_kill["state"] == "running"
+    steps_total = at_kill["plan"]["steps_per_epoch"] * 2
+    assert at_kill["progress"]["step"] < steps_total
+
+    replacement = stack.start_extra("trainer-2", "trainer", env)
+    job = stack.wait_job(job_id, timeout_s=120)
+    assert_completed_summary(stack, job, epochs=2)
+    assert job["summary"]["eval_accuracy"] > 0.8
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
+    # The gateway counts the dead trainer's last report once, not on top of its replacement's.
+    assert job["progress"]["samples_trained"] == job["summary"]["samples"]
+    log = Path(replacement.process.log_path).read_text()
+    resumed = re.search(rf"job {job_id}: resumed from the trainer state of step (\d+)", log)
+    assert resumed is not None, "the replacement trainer did not resume from a checkpoint"
+    assert step <= int(resumed.group(1)) < steps_total
