@@ -1,0 +1,504 @@
+"""Helpers shared by the load tests: process memory from /proc, throughput windows, formatting.
+
+Linux only (``/proc``); nothing here needs psutil.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class ProcMemory:
+    """Resident memory of one process, from ``/proc/<pid>/status``."""
+
+    peak_rss_bytes: int
+    """VmHWM: the most resident memory the process has had since it started."""
+    rss_bytes: int
+    """VmRSS: resident memory now."""
+
+
+def proc_memory(pid: int) -> ProcMemory | None:
+    """Peak and current resident memory of ``pid``; None when it is gone or unreadable.
+
+    Shared pages (shared libraries, pages a forked child still shares with its parent) count
+    in full in every process that maps them, so per-process figures over-state a sum.
+    """
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) * 1024  # reported in kB
+    if "VmHWM" not in fields:
+        return None  # a zombie has no memory fields
+    return ProcMemory(peak_rss_bytes=fields["VmHWM"], rss_bytes=fields.get("VmRSS", 0))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time ``pid`` has used so far (seconds); None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # fields from 3 (state) on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of ``pid``, keyed ``main`` for its main thread and by thread
+    name (``comm``, at most 15 characters) for the others, same names summed."""
+    found: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    ticks = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = "main" if int(tid) == pid else stat[stat.find("(") + 1 : stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2 :].split()
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return found
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live direct children of ``pid`` (scans ``/proc/*/stat``; order of pids)."""
+    children: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Field 2 (comm) is parenthesised and may hold spaces: split after its last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            children.append(int(entry))
+    return sorted(children)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Training progress at one moment: cumulative counters since the job started."""
+
+    at_s: float
+    """When (seconds, any clock shared by the points of one run)."""
+    step: int
+    """Optimizer steps applied."""
+    samples: int
+    """Samples trained (in applied steps)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Throughput over the part of a run after its warm-up steps."""
+
+    samples: int
+    seconds: float
+    first_step: int
+    """Step count at the window's start (>= the warm-up)."""
+    last_step: int
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def window_after(points: Sequence[Progress], warmup_steps: int) -> Window | None:
+    """Samples and wall time from the first point with ``step >= warmup_steps`` to the first
+    point that shows the final sample count. None when fewer than two such points exist."""
+    ordered = sorted(points, key=lambda p: p.at_s)
+    start = next((p for p in ordered if p.step >= warmup_steps), None)
+    if start is None or not ordered:
+        return None
+    final_samples = max(p.samples for p in ordered)
+    end = next(p for p in ordered if p.samples == final_samples)
+    if end.at_s <= start.at_s:
+        return None
+    return Window(
+        samples=end.samples - start.samples,
+        seconds=end.at_s - start.at_s,
+        first_step=start.step,
+        last_step=end.step,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPoint:
+    """A trainer's cumulative time accounts at one moment."""
+
+    at_s: float
+    step: int
+    wait_s: float
+    """Exposed data wait so far (time the step loop was blocked on its input)."""
+    busy_s: float
+    """Wait plus compute so far, as the trainer accounts them (its own step-time figure)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitWindow:
+    """Exposed data wait over the part of a run after its warm-up steps."""
+
+    wait_s: float
+    busy_s: float
+    seconds: float
+    """Wall time of the window."""
+
+    @property
+    def wait_per_wall(self) -> float:
+        """Exposed wait / wall time: the share of step time spent waiting for data."""
+        return self.wait_s / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def busy_per_wall(self) -> float:
+        """(wait + compute) / wall time: below 1, the step loop spent time in neither (thread
+        hand-offs, bookkeeping, checkpoint captures)."""
+        return self.busy_s / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def wait_per_busy(self) -> float:
+        """Exposed wait / (wait + compute), the trainer's own definition."""
+        return self.wait_s / self.busy_s if self.busy_s > 0 else 0.0
+
+
+def wait_window_after(points: Sequence[WaitPoint], warmup_steps: int) -> WaitWindow | None:
+    """Wait and busy time from the first point with ``step >= warmup_steps`` to the last
+    point. None when fewer than two such points exist."""
+    ordered = [p for p in sorted(points, key=lambda p: p.at_s) if p.step >= warmup_steps]
+    if len(ordered) < 2:
+        return None
+    start, end = ordered[0], ordered[-1]
+    return WaitWindow(
+        wait_s=end.wait_s - start.wait_s,
+        busy_s=end.busy_s - start.busy_s,
+        seconds=end.at_s - start.at_s,
+    )
+
+
+def mib(num_bytes: float | None) -> str:
+    """``123.4`` (MiB) or ``-`` for None."""
+    return "-" if num_bytes is None else f"{num_bytes / 2**20:.0f}"
+
+
+def pct(ratio: float | None) -> str:
+    """``12.3%`` or ``-`` for None."""
+    return "-" if ratio is None else f"{ratio:.1%}"
+
+
+# -- the real stack ----------------------------------------------------------------------------
+
+
+def scale_supported() -> bool:
+    """Whether ``conveyor up`` of this checkout accepts ``--scale NAME=N``."""
+    result = subprocess.run(
+        [sys.executable, "-m", "conveyor", "up", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    return "--scale" in result.stdout
+
+
+class ConveyorStack:
+    """One ``conveyor up`` stack in a fresh state directory, with ``preprocessors`` processes.
+
+    Uses ``conveyor up --scale preprocessor=N`` where the CLI has it; otherwise starts the
+    extra ``python -m conveyor service preprocessor`` processes itself, with the environment
+    ``conveyor up`` gives its services. ``env`` is added to the services' environment (service
+    settings such as ``CONVEYOR_TRAINER_...``). Raises RuntimeError when the stack fails to start.
+    """
+
+    def __init__(self, *, preprocessors: int, env: dict[str, str], use_scale: bool) -> None:
+        if preprocessors < 1:
+            raise ValueError(f"preprocessors must be >= 1, got {preprocessors}")
+        self.preprocessors = preprocessors
+        self._env = {**os.environ, **env}
+        self._use_scale = use_scale
+        self.state_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+        self.state: dict[str, Any] = {}
+        self._extras: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "conveyor", "up", "--state-dir", str(self.state_dir)]
+        if self._use_scale and self.preprocessors != 1:
+            argv += ["--scale", f"preprocessor={self.preprocessors}"]
+        result = subprocess.run(
+            [*argv, "--json"], capture_output=True, text=True, env=self._env, check=False
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"conveyor up failed ({result.returncode}): {result.stderr[-2000:]}")
+        self.state = json.loads(result.stdout.strip().splitlines()[-1])["stack"]
+        missing = self.preprocessors - sum(
+            1 for name, _ in self.processes() if name.startswith("preprocessor")
+        )
+        for index in range(missing):
+            self._start_extra_preprocessor(index + 2)
+
+    def _start_extra_preprocessor(self, index: int) -> None:
+        from conveyor.embedded.broker import free_port
+
+        port = free_port("127.0.0.1")
+        env = {
+            **self._env,
+            "CONVEYOR_KAFKA_BOOTSTRAP": self.state["bootstrap"],
+            "CONVEYOR_STORAGE_URI": self.state["storage_uri"],
+            "CONVEYOR_TELEMETRY_HTTP_HOST": "127.0.0.1",
+            "CONVEYOR_TELEMETRY_HTTP_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        name = f"preprocessor-x{index}"
+        with open(self.state_dir / "logs" / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "conveyor", "service", "preprocessor"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        self._extras.append((name, process))
+        deadline = time.monotonic() + 90.0
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see its log")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{name} not ready in 90 s")
+
+    @property
+    def bootstrap(self) -> str:
+        return str(self.state["bootstrap"])
+
+    @property
+    def gateway_url(self) -> str:
+        return str(self.state["gateway_url"])
+
+    def processes(self) -> list[tuple[str, int]]:
+        """(name, pid) of every process of the stack: broker, services, extra preprocessors."""
+        found: list[tuple[str, int]] = []
+        if self.state.get("broker"):
+            found.append(("broker", int(self.state["broker"]["pid"])))
+        found += [(s["name"], int(s["process"]["pid"])) for s in self.state.get("services", [])]
+        found += [(name, process.pid) for name, process in self._extras]
+        return found
+
+    def memory(self) -> dict[str, ProcMemory | None]:
+        """Peak and current resident memory of every process, by name."""
+        return {name: proc_memory(pid) for name, pid in self.processes()}
+
+    def cpu(self) -> dict[str, float | None]:
+        """CPU seconds used so far by every process, by name."""
+        return {name: cpu_seconds(pid) for name, pid in self.processes()}
+
+    def stop(self) -> None:
+        """``conveyor down``, then the extra preprocessors; removes the state directory."""
+        for _, process in self._extras:
+            process.terminate()
+        subprocess.run(
+            [sys.executable, "-m", "conveyor", "down", "--state-dir", str(self.state_dir)],
+            capture_output=True,
+            env=self._env,
+            check=False,
+        )
+        for _, process in self._extras:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+# -- watching a job from the outside -------------------------------------------------------------
+
+TERMINAL_EVENTS = frozenset({"completed", "failed", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogSample:
+    """Batch records produced to the job's batches topic minus those its trainer consumed."""
+
+    at_s: float
+    produced: int
+    """Sum of the batches topic's end offsets."""
+    consumed: int
+    """``consumed_batches`` of the trainer's latest progress event."""
+
+    @property
+    def backlog(self) -> int:
+        return self.produced - self.consumed
+
+
+class JobWatcher:
+    """Reads one job's lifecycle events, its trainers' heartbeats and its batches topic's end
+    offsets, straight from the broker, in a background thread (own event loop).
+
+    ``events`` holds ``(event, at, data)`` of the job in log order, ``heartbeats`` the
+    ``(at, info)`` of every trainer heartbeat; the batches topic's end offsets are sampled
+    every ``sample_interval_s`` once the job is planned (see :attr:`backlog`). Times are the
+    publishers' ``time.time()``.
+    """
+
+    def __init__(
+        self, *, bootstrap: str, topic_prefix: str, job_id: str, sample_interval_s: float = 0.2
+    ) -> None:
+        from conveyor.libs.messages import Topics
+
+        self.job_id = job_id
+        self._bootstrap = bootstrap
+        self._topics = Topics(topic_prefix)
+        self._sample_interval_s = sample_interval_s
+        self.events: list[tuple[str, float, dict[str, Any]]] = []
+        self.heartbeats: list[tuple[float, dict[str, Any]]] = []
+        self._produced: list[tuple[float, int]] = []
+        self.error: BaseException | None = None
+        self._terminal = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="job-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def backlog(self) -> list[BacklogSample]:
+        """Each end-offset sample against the consumed count of the trainer's last progress
+        event published before it (the most the sharder's flow control can have seen then, so
+        ``backlog`` is an upper bound of the real one)."""
+        reports = sorted(
+            (at, int(data.get("consumed_batches") or 0))
+            for name, at, data in self.events
+            if name == "progress"
+        )
+        samples: list[BacklogSample] = []
+        index, consumed = 0, 0
+        for at, produced in sorted(self._produced):
+            while index < len(reports) and reports[index][0] <= at:
+                consumed = max(consumed, reports[index][1])
+                index += 1
+            samples.append(BacklogSample(at, produced, consumed))
+        return samples
+
+    def wait_terminal(self, timeout_s: float) -> tuple[str, float, dict[str, Any]]:
+        """The job's terminal event; TimeoutError after ``timeout_s``, RuntimeError when the
+        watcher failed."""
+        deadline = time.monotonic() + timeout_s
+        while not self._terminal.wait(0.2):
+            if self.error is not None:
+                raise RuntimeError(f"job watcher failed: {self.error!r}") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} did not finish in {timeout_s:.0f} s")
+        terminal: tuple[str, float, dict[str, Any]] = next(
+            e for e in reversed(self.events) if e[0] in TERMINAL_EVENTS
+        )
+        return terminal
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._watch())
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    async def _watch(self) -> None:
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.structs import TopicPartition
+
+        def consumer(topic: str) -> AIOKafkaConsumer:
+            # No group: every partition, from the beginning, nothing committed.
+            return AIOKafkaConsumer(
+                topic,
+                bootstrap_servers=self._bootstrap,
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+            )
+
+        jobs = consumer(self._topics.jobs)
+        await jobs.start()
+        control: AIOKafkaConsumer | None = None
+        batch_partitions: list[TopicPartition] = []
+        next_sample = 0.0
+        try:
+            while not self._stop.is_set():
+                for records in (await jobs.getmany(timeout_ms=50)).values():
+                    for record in records:
+                        event = self._job_event(record.value)
+                        if event is None:
+                            continue
+                        name, _, data = event
+                        if name == "planned" and control is None:
+                            topic = data["batches_topic"]
+                            batch_partitions = [
+                                TopicPartition(topic, p)
+                                for p in range(int(data["batches_partitions"]))
+                            ]
+                            control = consumer(data["control_topic"])
+                            await control.start()
+                        elif name in TERMINAL_EVENTS:
+                            self._terminal.set()
+                if control is not None:
+                    for records in (await control.getmany(timeout_ms=50)).values():
+                        for record in records:
+                            self._heartbeat(record.value)
+                if batch_partitions and time.monotonic() >= next_sample:
+                    next_sample = time.monotonic() + self._sample_interval_s
+                    sampled_at = time.time()
+                    try:
+                        offsets = await jobs.end_offsets(batch_partitions)
+                    except Exception:  # the topic is deleted when the job ends: stop sampling
+                        batch_partitions = []
+                    else:
+                        self._produced.append((sampled_at, sum(offsets.values())))
+        finally:
+            if control is not None:
+                await control.stop()
+            await jobs.stop()
+
+    def _job_event(self, value: bytes | None) -> tuple[str, float, dict[str, Any]] | None:
+        from conveyor.libs.codec import decode
+        from conveyor.libs.messages import JobEvent
+
+        message = decode(value) if value else None
+        if not isinstance(message, JobEvent) or message.job_id != self.job_id:
+            return None
+        event = (message.event, message.at, message.data)
+        self.events.append(event)
+        return event
+
+    def _heartbeat(self, value: bytes | None) -> None:
+        from conveyor.libs.codec import decode
+        from conveyor.libs.messages import Heartbeat
+
+        message = decode(value) if value else None
+        if isinstance(message, Heartbeat) and message.role == "trainer":
+            self.heartbeats.append((message.at, message.info))
