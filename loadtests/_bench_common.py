@@ -62,6 +62,23 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def runqueue_wait_seconds(pid: int) -> float | None:
+    """Time the threads of ``pid`` have spent runnable but waiting for a CPU, summed
+    (``/proc/<pid>/task/*/schedstat``, seconds); None when it is gone. On a machine shared with
+    other work this is where their load shows."""
+    total_ns = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            total_ns += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return total_ns / 1e9
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds per thread of ``pid``, keyed ``main`` for its main thread and by thread
     name (``comm``, at most 15 characters) for the others, same names summed."""
@@ -316,6 +333,10 @@ class ConveyorStack:
         """CPU seconds used so far by every process, by name."""
         return {name: cpu_seconds(pid) for name, pid in self.processes()}
 
+    def runqueue_wait(self) -> dict[str, float | None]:
+        """Seconds every process has waited for a CPU so far, by name."""
+        return {name: runqueue_wait_seconds(pid) for name, pid in self.processes()}
+
     def stop(self) -> None:
         """``conveyor down``, then the extra preprocessors; removes the state directory."""
         for _, process in self._extras:
@@ -378,6 +399,8 @@ class JobWatcher:
         self.heartbeats: list[tuple[float, dict[str, Any]]] = []
         self._produced: list[tuple[float, int]] = []
         self.error: BaseException | None = None
+        self.undecodable = 0
+        """Records the watcher could not decode (skipped)."""
         self._terminal = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="job-watcher", daemon=True)
@@ -484,11 +507,23 @@ class JobWatcher:
                 await control.stop()
             await jobs.stop()
 
+    def _decode(self, value: bytes | None) -> object:
+        """The message in ``value``; None (and counted in ``undecodable``) when it is not one
+        this checkout's codec reads, e.g. written by services started from other code."""
+        from conveyor.libs.codec import CodecError, decode
+
+        if not value:
+            return None
+        try:
+            return decode(value)
+        except CodecError:
+            self.undecodable += 1
+            return None
+
     def _job_event(self, value: bytes | None) -> tuple[str, float, dict[str, Any]] | None:
-        from conveyor.libs.codec import decode
         from conveyor.libs.messages import JobEvent
 
-        message = decode(value) if value else None
+        message = self._decode(value)
         if not isinstance(message, JobEvent) or message.job_id != self.job_id:
             return None
         event = (message.event, message.at, message.data)
@@ -496,9 +531,8 @@ class JobWatcher:
         return event
 
     def _heartbeat(self, value: bytes | None) -> None:
-        from conveyor.libs.codec import decode
         from conveyor.libs.messages import Heartbeat
 
-        message = decode(value) if value else None
+        message = self._decode(value)
         if isinstance(message, Heartbeat) and message.role == "trainer":
             self.heartbeats.append((message.at, message.info))

@@ -11,8 +11,11 @@ over repeats of codec/copy, both taken in the same repeat, so slow phases of a s
 cancel out.
 The last line printed is one JSON object, {"codec_vs_memcpy": <ratio at the typical training
 batch 256x3x32x32>, "codec_vs_memcpy_by_size": {shape: ratio}}: the headline is the batch a
-training job actually moves, not the most flattering size; at small shapes the fixed
-per-message cost dominates, shown in the table as overhead (codec - copy, microseconds).
+training job actually moves, not the most flattering size, and is measured even when
+``--sizes`` leaves it out; at small shapes the fixed per-message cost dominates, shown in the
+table as overhead (codec - copy, microseconds). The table's caption gives the load average
+before and after: on a shared machine, compare runs only under similar load (a loaded machine
+slows the copy more than the codec, which flatters the ratio).
 
     .venv/bin/python loadtests/bench_codec.py --repeats 30 --sizes 64x1x8x8,256x3x32x32
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -134,10 +138,23 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)  # memcpy and the codec are single-threaded; so is the comparison
+    shapes: list[Shape] = list(dict.fromkeys(args.sizes))  # in order, without repeats
+    if TYPICAL_SHAPE not in shapes:
+        shapes.append(TYPICAL_SHAPE)  # the headline is always measured
 
-    results = [(shape, bench_shape(shape, args.repeats, args.sample_s)) for shape in args.sizes]
+    load_before = os.getloadavg()
+    results = [(shape, bench_shape(shape, args.repeats, args.sample_s)) for shape in shapes]
+    load_after = os.getloadavg()
 
-    table = Table(title=f"codec vs memcpy, uint8 Batch messages, medians of {args.repeats} repeats")
+    table = Table(
+        title=f"codec vs memcpy, uint8 Batch messages, medians of {args.repeats} repeats",
+        caption=(
+            f"load average (1, 5, 15 min) on {os.cpu_count()} CPUs: before "
+            + ", ".join(f"{load:.2f}" for load in load_before)
+            + "; after "
+            + ", ".join(f"{load:.2f}" for load in load_after)
+        ),
+    )
     columns = ["shape", "payload", "copy", "codec (enc+dec)", "ratio", "overhead"]
     for column in [*columns, "encode", "decode", "copy numpy"]:
         table.add_column(column, justify="right")
@@ -153,11 +170,7 @@ def main() -> None:
             f"{r['decode'] * 1e6:.1f} us",
             f"{r['copy_numpy'] * 1e6:.1f} us",
         )
-    typical = next(
-        ((shape, r) for shape, r in results if shape == TYPICAL_SHAPE),
-        max(results, key=lambda item: item[1]["payload_bytes"]),
-    )
-    headline_shape, headline = typical
+    headline_shape, headline = next(item for item in results if item[0] == TYPICAL_SHAPE)
     console = Console(width=150)
     console.print(table)
     console.print(

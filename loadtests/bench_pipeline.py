@@ -26,8 +26,12 @@ figures (samples / (wait + compute) over the whole job, which leaves out the ste
 time) are shown beside them. Every process runs in its own session, so that autogroup
 scheduling treats both systems alike on a machine loaded by other work.
 ratio = median over repeats of conveyor/dataloader samples/s, both taken in the same repeat.
+Also reported: peak RSS (VmHWM) and CPU seconds of every process, and CPU seconds of all
+processes per sample trained, Conveyor / DataLoader, which other load on the machine disturbs
+far less than wall-clock rates do.
 The last line printed is one JSON object,
-{"pipeline_vs_dataloader": r, "data_wait_ratio": w, "baseline_data_wait_ratio": b, ...},
+{"pipeline_vs_dataloader": r, "data_wait_ratio": w, "baseline_data_wait_ratio": b,
+ "cpu_per_sample_vs_dataloader": c, "digits_...": ...},
 for the first scenario (synthetic by default), with digits_* keys for the digits scenario.
 
     .venv/bin/python loadtests/bench_pipeline.py            # 3 repeats, both scenarios
@@ -67,6 +71,7 @@ from _bench_common import (
     mib,
     pct,
     proc_memory,
+    runqueue_wait_seconds,
     scale_supported,
     thread_cpu_seconds,
     wait_window_after,
@@ -245,6 +250,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     # CPU from here on, like the Conveyor trainer's from the job's submission: the job's set-up
     # (model, optimizer: its first construction imports torch._dynamo) counts for both.
     cpu_at_start = cpu_seconds(os.getpid()) or 0.0
+    runq_at_start = runqueue_wait_seconds(os.getpid()) or 0.0
     spec_dict = config["spec"]
     spec = JobSpec.from_dict(spec_dict)
     training, workers = spec.training, int(config["workers"])
@@ -296,6 +302,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     eval_correct = eval_samples = 0
     memory: dict[str, Any] = {}
     cpu: dict[str, float | None] = {}
+    runq: dict[str, float | None] = {}
     for epoch in range(training.epochs):
         order.epoch = epoch
         model.train()
@@ -340,9 +347,11 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
             for index, pid in enumerate(child_pids(os.getpid()), start=1):
                 memory[f"worker-{index}"] = proc_memory(pid)
                 cpu[f"worker-{index}"] = cpu_seconds(pid)
+                runq[f"worker-{index}"] = runqueue_wait_seconds(pid)
     total_s = time.perf_counter() - started
     memory["trainer"] = proc_memory(os.getpid())
     cpu["trainer"] = (cpu_seconds(os.getpid()) or 0.0) - cpu_at_start
+    runq["trainer"] = (runqueue_wait_seconds(os.getpid()) or 0.0) - runq_at_start
     window = window_after(progress, int(config["warmup_steps"]))
     wait_window = wait_window_after(waits, int(config["warmup_steps"]))
     return {
@@ -358,6 +367,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
         "eval_accuracy": eval_correct / eval_samples if eval_samples else None,
         "peak_rss_bytes": {k: v.peak_rss_bytes for k, v in memory.items() if v is not None},
         "cpu_s": cpu,
+        "runq_s": runq,
     }
 
 
@@ -389,12 +399,12 @@ def run_baseline(spec: dict[str, Any], args: argparse.Namespace, warmup: int) ->
 
 
 def trainer_threads(pid: int) -> dict[str, float | None]:
-    """CPU seconds of the trainer's event-loop (main) thread and of its compute thread."""
+    """CPU seconds of the trainer's main thread (its event loop) and of all its other threads
+    (the compute thread, the copy thread, worker threads); Python 3.11 does not give threads
+    OS-visible names, so the compute thread cannot be told apart by name."""
     threads = thread_cpu_seconds(pid)
-    return {
-        "trainer: event loop": threads.get("main"),
-        "trainer: compute thread": threads.get("trainer-compute"),
-    }
+    main = threads.pop("main", None)
+    return {"trainer: event loop": main, "trainer: other threads": sum(threads.values())}
 
 
 def run_conveyor(
@@ -413,6 +423,7 @@ def run_conveyor(
             client.wait_ready()
             trainer_pid = dict(stack.processes())["trainer"]
             cpu_before = {**stack.cpu(), **trainer_threads(trainer_pid)}
+            runq_before = stack.runqueue_wait()
             job = client.submit(spec)
         watcher = JobWatcher(
             bootstrap=stack.bootstrap,
@@ -422,9 +433,12 @@ def run_conveyor(
         watcher.start()
         event, _, data = watcher.wait_terminal(JOB_TIMEOUT_S)
         cpu_after = {**stack.cpu(), **trainer_threads(trainer_pid)}
+        runq_after = stack.runqueue_wait()
         memory = stack.memory()
         if event != "completed":
             raise RuntimeError(f"job {job['id']} {event}: {data}")
+        if watcher.undecodable:
+            Console(stderr=True).log(f"warning: {watcher.undecodable} record(s) not decodable")
     finally:
         if watcher is not None:
             watcher.stop()
@@ -460,6 +474,11 @@ def run_conveyor(
         "cpu_s": {  # a thread started during the job (the compute thread) had 0 before
             k: after - (cpu_before.get(k) or 0.0)
             for k, after in cpu_after.items()
+            if after is not None
+        },
+        "runq_s": {
+            k: after - (runq_before.get(k) or 0.0)
+            for k, after in runq_after.items()
             if after is not None
         },
         "backlog_max": max((s.backlog for s in watcher.backlog), default=None),
@@ -509,6 +528,20 @@ class Scenario:
             for c, d in zip(self.runs["conveyor"], self.runs["dataloader"], strict=True)
             if c["samples_per_second"] and d["samples_per_second"]
         ]
+
+    def cpu_ratios(self) -> list[float]:
+        """Per repeat: Conveyor's CPU seconds per sample / the DataLoader's (all processes)."""
+        return [
+            cpu_per_sample(c) / cpu_per_sample(d)
+            for c, d in zip(self.runs["conveyor"], self.runs["dataloader"], strict=True)
+            if cpu_per_sample(d) > 0
+        ]
+
+
+def cpu_per_sample(run: dict[str, Any]) -> float:
+    """CPU seconds of every process of a run (threads not counted twice) per sample trained."""
+    total = sum(seconds for name, seconds in run["cpu_s"].items() if ":" not in name)
+    return total / run["samples"] if run["samples"] else 0.0
 
 
 def bench_scenario(
@@ -581,6 +614,17 @@ def print_scenario(scenario: Scenario, args: argparse.Namespace) -> None:
         pct(median_of(runs_c, "job_data_wait_ratio")),
         "",
     )
+    cpu_ratios = scenario.cpu_ratios()
+    table.add_row(
+        "CPU s per 1000 samples, all processes, whole job",
+        *(
+            f"{statistics.median([cpu_per_sample(r) for r in runs]) * 1000:.2f}" if runs else "-"
+            for runs in (runs_d, runs_c)
+        ),
+        f"{statistics.median(cpu_ratios):.3f} ({min(cpu_ratios):.2f}..{max(cpu_ratios):.2f})"
+        if cpu_ratios
+        else "-",
+    )
     table.add_row("measured window (s)", *number("window_s", ".1f"), "")
     table.add_row("eval accuracy, last epoch", *number("eval_accuracy", ".3f"), "")
     backlog = median_of(runs_c, "backlog_max")
@@ -597,18 +641,27 @@ def print_scenario(scenario: Scenario, args: argparse.Namespace) -> None:
     Console().print(table)
 
     processes = Table(title=f"{scenario.name}: processes over {args.repeats} repeat(s)")
-    for column in ("system", "process", "peak RSS (MiB), max", "CPU s during the job, median"):
+    columns = ("system", "process", "peak RSS (MiB), max", "CPU s", "waiting for a CPU, s")
+    for column in columns:
         processes.add_column(column, justify="left" if column in ("system", "process") else "right")
     for system, runs in (("DataLoader", runs_d), ("Conveyor", runs_c)):
         peaks = per_process_max(runs, "peak_rss_bytes")
         cpu = per_process_median(runs, "cpu_s")
+        runq = per_process_median(runs, "runq_s")
         for name in sorted(set(peaks) | set(cpu), key=_process_order):
-            processes.add_row(system, name, mib(peaks.get(name)), _seconds(cpu.get(name)))
+            processes.add_row(
+                system,
+                name,
+                mib(peaks.get(name)),
+                _seconds(cpu.get(name)),
+                _seconds(runq.get(name)),
+            )
         processes.add_row(
             system,
             "total",
             mib(sum(peaks.values())),
             _seconds(sum(v for k, v in cpu.items() if ":" not in k)),
+            _seconds(sum(runq.values())),
             end_section=True,
         )
     Console().print(processes)
@@ -648,10 +701,12 @@ def footer(args: argparse.Namespace, use_scale: bool, load: list[float]) -> str:
         "the baseline and its workers are put in their own), so the kernel's autogroup "
         "scheduling gives each the same share of a loaded machine.\n"
         "Peak RSS is VmHWM; shared pages (libraries, a forked worker's pages still shared with "
-        "its parent) count in every process, so totals over-state. CPU s: from the job's "
-        "submission (Conveyor) or set-up (DataLoader) to its end.\n"
+        "its parent) count in every process, so totals over-state. CPU s (median) and waiting "
+        "for a CPU (runnable, not running: /proc schedstat; median): from the job's submission "
+        "(Conveyor) or set-up (DataLoader) to its end.\n"
         "Data wait = time the step loop was blocked on its next batch / wall time of the window "
-        "(Conveyor: from trainer heartbeats; window from its progress events)."
+        "(Conveyor: from trainer heartbeats; window from its progress events). CPU per sample "
+        "column: Conveyor / DataLoader, above 1 = Conveyor spends more CPU on each sample."
     )
 
 
@@ -664,7 +719,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2048, help="synthetic samples")
     parser.add_argument("--epochs", type=int, default=2, help="synthetic epochs")
     parser.add_argument("--cost-ms", type=float, default=1.0, help="cpu_cost per sample (ms)")
-    parser.add_argument("--digits-epochs", type=int, default=8)
+    parser.add_argument("--digits-epochs", type=int, default=12)
     cores = os.cpu_count() or 1
     parser.add_argument(
         "--workers", type=int, default=max(1, min(4, cores - 1)), help="DataLoader workers"
@@ -726,6 +781,10 @@ def main() -> None:
         prefix = "" if scenario is scenarios[0] else f"{scenario.name}_"
         result[f"{prefix}pipeline_vs_dataloader"] = (
             round(statistics.median(ratios), 4) if ratios else None
+        )
+        cpu_ratios = scenario.cpu_ratios()
+        result[f"{prefix}cpu_per_sample_vs_dataloader"] = (
+            round(statistics.median(cpu_ratios), 4) if cpu_ratios else None
         )
         for key, system in (
             ("data_wait_ratio", "conveyor"),

@@ -389,12 +389,16 @@ class Batch(Message):
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
-        if self.x.dtype != torch.uint8 or self.x.dim() != 4:
-            raise ValueError(f"x must be uint8 [B,C,H,W], got {self.x.dtype} {list(self.x.shape)}")
-        if self.y.dtype != torch.int64 or list(self.y.shape) != [self.x.shape[0]]:
-            raise ValueError(f"y must be int64 [B], got {self.y.dtype} {list(self.y.shape)}")
-        if len(self.sample_ids) != self.x.shape[0]:
-            raise ValueError(f"{len(self.sample_ids)} sample_ids for {self.x.shape[0]} rows")
+        # Runs on every decoded batch: each tensor attribute is read once (they are not free).
+        x, y = self.x, self.y
+        x_shape, y_shape = x.shape, y.shape
+        if x.dtype is not torch.uint8 or len(x_shape) != 4:
+            raise ValueError(f"x must be uint8 [B,C,H,W], got {x.dtype} {list(x_shape)}")
+        rows = x_shape[0]
+        if y.dtype is not torch.int64 or y_shape != (rows,):
+            raise ValueError(f"y must be int64 [B], got {y.dtype} {list(y_shape)}")
+        if len(self.sample_ids) != rows:
+            raise ValueError(f"{len(self.sample_ids)} sample_ids for {rows} rows")
 
 
 @message("Heartbeat", version=1)

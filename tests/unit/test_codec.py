@@ -23,6 +23,7 @@ from conveyor.libs import codec
 from conveyor.libs.codec import (
     ALIGN_BYTES,
     DTYPES,
+    PREFIX_BYTES,
     CodecError,
     CodecLimits,
     MalformedMessage,
@@ -117,9 +118,26 @@ def buffer_range(data: bytes | bytearray) -> tuple[int, int]:
     return start, start + len(data)
 
 
+def framed(head: bytes) -> bytes:
+    """``head`` (msgpack bytes) behind its 4-byte little-endian length prefix."""
+    return len(head).to_bytes(PREFIX_BYTES, "little") + head
+
+
+def packed(header: object) -> bytes:
+    """Hand-built wire bytes of a message without tensor bytes: prefix and msgpack header."""
+    return framed(msgpack.packb(header))
+
+
+def header_of(data: bytes) -> Any:
+    """The msgpack header of wire bytes, parsed with plain msgpack."""
+    header_len = int.from_bytes(data[:PREFIX_BYTES], "little")
+    return msgpack.unpackb(data[PREFIX_BYTES : PREFIX_BYTES + header_len])
+
+
 def raw_message(header: dict[str, Any], payload: bytes = b"") -> bytes:
-    """Hand-built wire bytes: header, pad to 64, payload (offsets count from the pad's end)."""
-    head: bytes = msgpack.packb(header)
+    """Hand-built wire bytes: prefix, header, pad to 64, payload (offsets count from the pad's
+    end)."""
+    head = packed(header)
     return head + bytes(-len(head) % ALIGN_BYTES) + payload if payload else head
 
 
@@ -202,10 +220,45 @@ def test_empty_tensor_dict_and_requires_grad_tensor() -> None:
     assert torch.equal(decoded.t, weight.detach())
 
 
-def test_message_without_tensor_bytes_is_just_the_header() -> None:
+def test_message_without_tensor_bytes_is_just_the_prefixed_header() -> None:
     data = encode(Plain(name="p", count=1))
-    assert msgpack.unpackb(data) == {"v": 1, "type": "tests.codec.Plain", "name": "p", "count": 1}
+    assert int.from_bytes(data[:PREFIX_BYTES], "little") == len(data) - PREFIX_BYTES
+    expected = {"v": 1, "type": "tests.codec.Plain", "name": "p", "count": 1}
+    assert msgpack.unpackb(data[PREFIX_BYTES:]) == expected
     assert decode(data) == Plain(name="p", count=1)
+
+
+def test_wire_layout_is_prefix_header_pad_and_aligned_tensor_bytes() -> None:
+    t = torch.arange(6, dtype=torch.int16)
+    named = {"a": torch.ones(3, dtype=torch.float64)}
+    data = encode(sample(t=t, named=named))
+    header_len = int.from_bytes(data[:PREFIX_BYTES], "little")
+    header_end = PREFIX_BYTES + header_len
+    header = msgpack.unpackb(data[PREFIX_BYTES:header_end])
+    assert list(header)[:2] == ["v", "type"]
+    assert list(header)[2:] == [field.name for field in dataclasses.fields(Sample)]
+    payload_start = header_end + -header_end % ALIGN_BYTES
+    assert data[header_end:payload_start] == bytes(payload_start - header_end)
+    assert header["t"] == {"dtype": "int16", "shape": [6], "offset": 0, "nbytes": 12}
+    assert header["named"] == {"a": {"dtype": "float64", "shape": [3], "offset": 64, "nbytes": 24}}
+    assert data[payload_start : payload_start + 12] == t.numpy().tobytes()
+    assert data[payload_start + 64 :] == named["a"].numpy().tobytes()
+    assert len(data) == payload_start + 64 + 24
+
+
+def test_header_fields_may_come_in_any_order() -> None:
+    header = header_of(encode(sample(t=torch.zeros(0), named={})))
+    reordered = dict(reversed(list(header.items())))
+    decoded = decode(packed(reordered))
+    assert isinstance(decoded, Sample) and decoded.ids == [5, 1, 9] and decoded.named == {}
+
+
+def test_tensor_subclasses_and_loosely_typed_fields_take_the_checked_path() -> None:
+    weight = torch.nn.Parameter(torch.arange(4, dtype=torch.float32))
+    decoded = decode(encode(sample(t=weight, maybe="set", scale=1)))
+    assert isinstance(decoded, Sample)
+    assert type(decoded.t) is torch.Tensor and decoded.t.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert (decoded.maybe, decoded.scale) == ("set", 1)
 
 
 def test_v1_schemas_round_trip() -> None:
@@ -349,6 +402,7 @@ def test_tensor_count_and_dims_are_bounded() -> None:
         ({"t": [1.0]}, "t: expected a tensor"),
         ({"t": torch.zeros(2, dtype=torch.complex64)}, "unsupported dtype"),
         ({"t": torch.eye(3).to_sparse()}, "dense"),
+        ({"t": torch.empty(2, device="meta")}, "dense"),
         ({"named": {"a": 1}}, r"named\['a'\]: expected a tensor"),
         ({"meta": {"t": torch.zeros(1)}}, "tensors go in Tensor"),
         ({"meta": {"gpu": {0: 1}}}, "keys must be str"),
@@ -384,50 +438,50 @@ def test_float_fields_accept_ints() -> None:
     ("data", "error", "reason"),
     [
         (b"", MalformedMessage, "truncated header"),
-        (msgpack.packb([1, 2]), MalformedMessage, "not a map"),
-        (msgpack.packb({"v": 1}), MalformedMessage, "no string 'type'"),
-        (msgpack.packb({"v": 1, "type": "Nope"}), UnknownMessageType, "Nope"),
+        (packed([1, 2]), MalformedMessage, "not a map"),
+        (packed({"v": 1}), MalformedMessage, "no string 'type'"),
+        (packed({"v": 1, "type": "Nope"}), UnknownMessageType, "Nope"),
         (
-            msgpack.packb({"v": 2, "type": "tests.codec.Plain", "name": "a", "count": 1}),
+            packed({"v": 2, "type": "tests.codec.Plain", "name": "a", "count": 1}),
             UnsupportedVersion,
             "version 2",
         ),
         (
-            msgpack.packb({"v": "1", "type": "tests.codec.Plain", "name": "a", "count": 1}),
+            packed({"v": "1", "type": "tests.codec.Plain", "name": "a", "count": 1}),
             MalformedMessage,
             "no int 'v'",
         ),
         (
-            msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": "a"}),
+            packed({"v": 1, "type": "tests.codec.Plain", "name": "a"}),
             MalformedMessage,
             "missing fields count$",
         ),
         (
-            msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": "a", "count": 1, "x": 0}),
+            packed({"v": 1, "type": "tests.codec.Plain", "name": "a", "count": 1, "x": 0}),
             MalformedMessage,
             "unknown fields 'x'$",
         ),
         (
-            msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": "a", "cnt": 1}),
+            packed({"v": 1, "type": "tests.codec.Plain", "name": "a", "cnt": 1}),
             MalformedMessage,
             "missing fields count; unknown fields 'cnt'",
         ),
         (
-            msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": 1.5, "count": 1}),
+            packed({"v": 1, "type": "tests.codec.Plain", "name": 1.5, "count": 1}),
             MalformedMessage,
             "name: expected str, got float",
         ),
         (
-            msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": {}, "count": 1}),
+            packed({"v": 1, "type": "tests.codec.Plain", "name": {}, "count": 1}),
             MalformedMessage,
             "name: expected str, got dict",
         ),
         (
-            msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": "a", "count": 1}) + b"\x00",
+            packed({"v": 1, "type": "tests.codec.Plain", "name": "a", "count": 1}) + b"\x00",
             MalformedMessage,
             "its header and tensors make",
         ),
-        (msgpack.packb({1: 2}), MalformedMessage, "undecodable"),  # strict_map_key
+        (packed({1: 2}), MalformedMessage, "undecodable"),  # strict_map_key
     ],
 )
 def test_decode_rejects_bad_headers(data: bytes, error: type[CodecError], reason: str) -> None:
@@ -435,8 +489,63 @@ def test_decode_rejects_bad_headers(data: bytes, error: type[CodecError], reason
         decode(data)
 
 
+@pytest.mark.parametrize("cut", range(PREFIX_BYTES))
+def test_a_truncated_length_prefix_is_malformed(cut: int) -> None:
+    data = encode(Plain(name="p", count=1))
+    with pytest.raises(MalformedMessage, match=r"truncated header: .* length prefix"):
+        decode(data[:cut])
+
+
+def test_the_length_prefix_must_frame_exactly_one_header() -> None:
+    head: bytes = msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": "a", "count": 1})
+    assert decode(framed(head)) == Plain(name="a", count=1)
+    prefix = len(head).to_bytes(PREFIX_BYTES, "little")
+    short = (len(head) - 1).to_bytes(PREFIX_BYTES, "little")
+    long = (len(head) + 1).to_bytes(PREFIX_BYTES, "little")
+    with pytest.raises(MalformedMessage, match="truncated header: it ends at byte"):
+        decode(long + head)  # claims one byte more than the message has
+    with pytest.raises(MalformedMessage, match="undecodable"):
+        decode(short + head)  # the header's last byte is left out of the slice
+    with pytest.raises(MalformedMessage, match="undecodable"):
+        decode(long + head + b"\x00")  # a second msgpack object inside the header
+    with pytest.raises(MalformedMessage, match="its header and tensors make"):
+        decode(prefix + head + b"\x00")  # a stray byte after the header
+
+
+def test_a_header_length_over_the_limit_is_too_large_only_if_the_bytes_are_there() -> None:
+    limits = CodecLimits(max_header_bytes=16)
+    data = encode(Plain(name="p" * 20, count=1))
+    with pytest.raises(MessageTooLarge, match="max_header_bytes=16"):
+        decode(data, limits=limits)
+    claims_more = (2**32 - 1).to_bytes(PREFIX_BYTES, "little") + data[PREFIX_BYTES:]
+    with pytest.raises(MalformedMessage, match="truncated header"):
+        decode(claims_more, limits=limits)
+
+
+def test_header_limit_must_fit_the_length_prefix() -> None:
+    assert CodecLimits(max_header_bytes=2**32 - 1).max_header_bytes == 2**32 - 1
+    with pytest.raises(ValueError, match="max_header_bytes must be < 4 GiB"):
+        CodecLimits(max_header_bytes=2**32)
+
+
+def test_a_type_registered_after_a_failed_decode_decodes() -> None:
+    name = "tests.codec.Late"
+    data = packed({"v": 1, "type": name, "n": 2})
+    with pytest.raises(UnknownMessageType, match="Late"):
+        decode(data)
+
+    @message(name, version=1)
+    @dataclass(kw_only=True, slots=True)
+    class Late(Message):
+        n: int
+
+    decoded = decode(data)
+    assert isinstance(decoded, Late) and decoded.n == 2
+    assert decode(encode(Late(n=3))) == Late(n=3)
+
+
 def test_decode_checks_item_types_and_dict_keys() -> None:
-    good = msgpack.unpackb(encode(sample(t=torch.zeros(0), named={})))
+    good = header_of(encode(sample(t=torch.zeros(0), named={})))
     for field, value, reason in [
         ("ids", [1, "2"], "ids: items must be int"),
         ("ids", [1, True], "ids: items must be int"),
@@ -446,7 +555,7 @@ def test_decode_checks_item_types_and_dict_keys() -> None:
     ]:
         header = {**good, field: value}
         with pytest.raises(MalformedMessage, match=reason):
-            decode(msgpack.packb(header))
+            decode(packed(header))
 
 
 @pytest.mark.parametrize(
@@ -518,13 +627,13 @@ def test_decode_runs_the_schema_checks() -> None:
     ],
 )
 def test_extension_types_are_rejected(ext: object) -> None:
-    data = msgpack.packb({"v": 1, "type": "tests.codec.Plain", "name": ext, "count": 1})
+    data = packed({"v": 1, "type": "tests.codec.Plain", "name": ext, "count": 1})
     with pytest.raises(MalformedMessage):
         decode(data)
-    nested = msgpack.unpackb(encode(sample(t=torch.zeros(0), named={})))
+    nested = header_of(encode(sample(t=torch.zeros(0), named={})))
     nested["meta"] = {"x": [ext]}
     with pytest.raises(MalformedMessage):
-        decode(msgpack.packb(nested))
+        decode(packed(nested))
 
 
 def test_pickle_is_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -565,8 +674,9 @@ def test_random_bytes_are_malformed() -> None:
         data = rng.randbytes(rng.randrange(0, 300))
         with pytest.raises(MalformedMessage):
             decode(data)
-    for _ in range(500):  # plausible starts: a map header, then garbage
-        data = bytes([0x80 | rng.randrange(16)]) + rng.randbytes(rng.randrange(0, 200))
+    for _ in range(500):  # plausible starts: a length prefix that fits, a map header, garbage
+        head = bytes([0x80 | rng.randrange(16)]) + rng.randbytes(rng.randrange(0, 200))
+        data = framed(head) + rng.randbytes(rng.randrange(0, 100))
         with pytest.raises(MalformedMessage):
             decode(data)
 
