@@ -411,8 +411,9 @@ class JobWatcher:
     @property
     def backlog(self) -> list[BacklogSample]:
         """Each end-offset sample against the consumed count of the trainer's last progress
-        event published before it (the most the sharder's flow control can have seen then, so
-        ``backlog`` is an upper bound of the real one)."""
+        event published before it: the most the sharder's flow control can have seen when it
+        released what was produced, so ``max(backlog)`` is what flow control bounds (the real
+        backlog, against what the trainer actually finished, is at most this)."""
         reports = sorted(
             (at, int(data.get("consumed_batches") or 0))
             for name, at, data in self.events
@@ -495,13 +496,14 @@ class JobWatcher:
                             self._heartbeat(record.value)
                 if batch_partitions and time.monotonic() >= next_sample:
                     next_sample = time.monotonic() + self._sample_interval_s
-                    sampled_at = time.time()
                     try:
                         offsets = await jobs.end_offsets(batch_partitions)
                     except Exception:  # the topic is deleted when the job ends: stop sampling
                         batch_partitions = []
                     else:
-                        self._produced.append((sampled_at, sum(offsets.values())))
+                        # Dated when the answer came: every batch it counts was released on
+                        # a progress report published before then.
+                        self._produced.append((time.time(), sum(offsets.values())))
         finally:
             if control is not None:
                 await control.stop()
