@@ -16,11 +16,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Until the data plane lands: start the embedded stack, show it healthy, stop it.
 run: $(STAMP)
-	$(BIN)/conveyor up
-	$(BIN)/conveyor status
-	$(BIN)/conveyor down
+	$(BIN)/conveyor run $(SPEC)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

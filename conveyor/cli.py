@@ -11,13 +11,14 @@ import json
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape
 
+from conveyor import cli_jobs
+from conveyor.cli_options import DEFAULT_STATE_DIR, JsonFlag, StateDir, err, fail, out
 from conveyor.embedded import registry
 from conveyor.libs.errors import ConveyorError
 
@@ -32,29 +33,9 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals may hold credentials
 )
 
-StateDir = Annotated[
-    Path,
-    typer.Option(
-        "--state-dir",
-        envvar="CONVEYOR_STATE_DIR",
-        help="Directory holding stack.json, logs/ and the local object store.",
-    ),
-]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
-DEFAULT_STATE_DIR = Path(".conveyor")
-
-
-def _out() -> Console:
-    return Console()
-
-
-def _err() -> Console:
-    return Console(stderr=True)
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    _err().print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True, highlight=False)
-    raise typer.Exit(code)
+_out = out
+_err = err
+_fail = fail
 
 
 def _print_json(data: dict[str, Any]) -> None:
@@ -255,6 +236,9 @@ def service(
         _fail(str(exc), code=2)
     entry = registry.load_entry(spec)
     raise typer.Exit(entry(list(ctx.args)) or 0)
+
+
+cli_jobs.register(app)
 
 
 def main() -> None:

@@ -94,8 +94,14 @@ class KafkaSettings(_FileAwareSettings):
         ),
     )
     request_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-    session_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-    heartbeat_interval_s: Annotated[float, Field(gt=0)] = 3.0
+    session_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0,
+        description=(
+            "Consumer-group session timeout. Short enough that a dead member is noticed fast "
+            "(and the embedded broker, which completes a join after half of it, joins quickly)."
+        ),
+    )
+    heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_poll_interval_s: Annotated[float, Field(gt=0)] = 300.0
     linger_ms: Annotated[int, Field(ge=0)] = 5
     replication_factor: Annotated[int, Field(ge=1)] = 1

@@ -1,0 +1,1 @@
+"""The preprocessor service: shard tasks in, augmented uint8 micro-batches out."""

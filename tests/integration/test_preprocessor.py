@@ -1,0 +1,272 @@
+"""The preprocessor against the real broker: batches out, commits after acks, failures, kill."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+
+from conveyor.libs.bus import Producer, TopicAdmin, TopicSpec
+from conveyor.libs.codec import decode
+from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.libs.datasets import open_dataset
+from conveyor.libs.messages import Batch, JobEvent, Message, ShardTask, Topics
+from conveyor.libs.plan import JobPlan
+from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
+from conveyor.services.preprocessor.service import PreprocessorService
+
+DIGITS = "builtin://sklearn-digits"
+SLOW = "synthetic://?n=4000&shape=1x8x8&classes=10&seed=2&cost_ms=4"
+STAMPS = {"released", "read_start", "read_end", "augment_end", "sent"}
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """A global SDK tracer provider for this test (OpenTelemetry allows one per process)."""
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+def make_service(kafka: KafkaSettings, **settings: Any) -> PreprocessorService:
+    return PreprocessorService(
+        settings=PreprocessorSettings(**settings),
+        kafka=kafka,
+        storage=StorageSettings(),
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
+
+
+@asynccontextmanager
+async def running(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[PreprocessorService]:
+    service = make_service(kafka, **settings)
+    serving = asyncio.create_task(service.serve())
+    deadline = time.monotonic() + 20
+    while not service.readiness():
+        assert time.monotonic() < deadline and not serving.done(), "preprocessor never ready"
+        await asyncio.sleep(0.05)
+    try:
+        yield service
+    finally:
+        service.request_stop()
+        assert await asyncio.wait_for(serving, 30) == 0
+
+
+async def setup_topics(kafka: KafkaSettings, *batch_jobs: str) -> Topics:
+    """The shared topics and the batches topics of ``batch_jobs``, as the sharder makes them."""
+    topics = Topics(kafka.topic_prefix)
+    async with TopicAdmin(kafka) as admin:
+        await admin.create_topics([
+            TopicSpec(topics.jobs, partitions=2),
+            TopicSpec(topics.shards, partitions=2),
+            *(TopicSpec(topics.batches(job), partitions=2) for job in batch_jobs),
+        ])  # fmt: skip
+    return topics
+
+
+def shard_tasks(
+    job_id: str, uri: str, num_samples: int, count: int, **extra: Any
+) -> list[ShardTask]:
+    plan = JobPlan(job_id=job_id, num_samples=num_samples, eval_fraction=0.2, seed=4, epochs=1,
+                   micro_batch_size=16, shard_size=64)  # fmt: skip
+    tasks = []
+    for k in range(count):
+        shard = plan.task(k)
+        tasks.append(ShardTask(
+            job_id=job_id, shard_id=shard.shard_id, epoch=shard.epoch, index=shard.index,
+            split=shard.split, dataset_uri=uri, sample_ids=shard.sample_ids,
+            micro_batch_size=16, seed=4, preprocess=extra.get("preprocess", {"augment": []}),
+            released_at=time.time(),
+        ))  # fmt: skip
+    return tasks
+
+
+async def publish_tasks(kafka: KafkaSettings, tasks: list[ShardTask]) -> None:
+    topic = Topics(kafka.topic_prefix).shards
+    async with Producer(kafka) as producer:
+        for task in tasks:
+            await producer.publish(topic, task, key=task.shard_id)
+
+
+def expected_ids(tasks: list[ShardTask]) -> set[str]:
+    return {f"{t.shard_id}:b{k:03d}" for t in tasks for k in range(-(-len(t.sample_ids) // 16))}
+
+
+class TopicReader:
+    """Every record of a topic from the beginning (group-less), decoded, as it arrives."""
+
+    def __init__(self, kafka: KafkaSettings, topic: str) -> None:
+        self.topic = topic
+        self.records: list[tuple[Message, dict[str, bytes], float]] = []
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=kafka.bootstrap, enable_auto_commit=False
+        )
+
+    async def __aenter__(self) -> TopicReader:
+        await self._consumer.start()
+        await self._consumer.topics()
+        tps = [TopicPartition(self.topic, p)
+               for p in sorted(self._consumer.partitions_for_topic(self.topic) or ())]  # fmt: skip
+        assert tps, f"{self.topic} does not exist"
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._consumer.stop()
+
+    @property
+    def messages(self) -> list[Message]:
+        return [message for message, _, _ in self.records]
+
+    async def wait_for(self, predicate: Callable[[list[Message]], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self.messages):
+            assert time.monotonic() < deadline, f"timed out with {len(self.records)} records"
+            for records in (await self._consumer.getmany(timeout_ms=200)).values():
+                for r in records:
+                    self.records.append((decode(r.value), dict(r.headers or []), time.time()))
+
+
+def batch_ids_in(messages: list[Message]) -> set[str]:
+    return {m.batch_id for m in messages if isinstance(m, Batch)}
+
+
+async def committed_offsets(kafka: KafkaSettings, topic: str, group: str) -> dict[int, int]:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka.bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()
+        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        tps = [TopicPartition(topic, p) for p in partitions]
+        ends = await consumer.end_offsets(tps)
+        deadline = time.monotonic() + 10
+        while True:
+            committed = {tp.partition: await consumer.committed(tp) or 0 for tp in tps}
+            if all(committed[tp.partition] == ends[tp] for tp in tps):
+                return committed
+            assert time.monotonic() < deadline, f"committed {committed}, ends {ends}"
+            await asyncio.sleep(0.2)
+    finally:
+        await consumer.stop()
+
+
+async def test_tasks_become_batches_with_traces_and_commits(
+    kafka_settings: KafkaSettings, spans: InMemorySpanExporter
+) -> None:
+    topics = await setup_topics(kafka_settings, "job1")
+    tasks = shard_tasks("job1", DIGITS, 1797, 4)
+    tasks += shard_tasks("job1", DIGITS, 1797, 25)[-2:]  # eval shards: 359 samples, 6 tasks
+    assert {t.split for t in tasks} == {"train", "eval"}
+    x_all, y_all = open_dataset(DIGITS).read(list(range(1797)))
+    async with running(kafka_settings), TopicReader(kafka_settings, topics.batches("job1")) as out:
+        await publish_tasks(kafka_settings, tasks)
+        await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(tasks), 20)
+        await committed_offsets(kafka_settings, topics.shards, group_id(topics.prefix))
+    by_id = {m.batch_id: (m, headers) for m, headers, _ in out.records if isinstance(m, Batch)}
+    assert set(by_id) == expected_ids(tasks)
+    for task in tasks:
+        for k in range(-(-len(task.sample_ids) // 16)):
+            batch, headers = by_id[f"{task.shard_id}:b{k:03d}"]
+            ids = task.sample_ids[16 * k : 16 * k + 16]
+            assert batch.sample_ids == ids and batch.split == task.split
+            assert batch.x.dtype == torch.uint8 and list(batch.x.shape) == [len(ids), 1, 8, 8]
+            assert torch.equal(batch.x, torch.from_numpy(x_all[ids]))
+            assert batch.y.tolist() == y_all[ids].tolist()
+            assert set(batch.timestamps) == STAMPS
+            assert batch.timestamps["released"] == task.released_at
+            assert "traceparent" in headers
+
+    finished = spans.get_finished_spans()
+    process = [s for s in finished if s.name == f"process {topics.shards}"]
+    assert len(process) == len(tasks)
+    sends = {_trace(s) for s in finished if s.name == f"send {topics.shards}"}
+    for span in process:
+        assert _trace(span) in sends  # continues the task's trace
+        children = [s for s in finished if s.parent and s.parent.span_id == _span(span)]
+        names = sorted(s.name for s in children)
+        assert names[:2] == ["preprocess", "send " + topics.batches("job1")]
+        assert "shard read" in names
+
+
+def _trace(span: ReadableSpan) -> int:
+    assert span.context is not None
+    return int(span.context.trace_id)
+
+
+def _span(span: ReadableSpan) -> int:
+    assert span.context is not None
+    return int(span.context.span_id)
+
+
+async def test_ended_jobs_are_dropped_and_bad_datasets_fail_the_job(
+    kafka_settings: KafkaSettings,
+) -> None:
+    topics = await setup_topics(kafka_settings, "bad", "good")
+    gone = shard_tasks("gone", DIGITS, 1797, 2)  # no batches topic: the job ended
+    bad = shard_tasks("bad", "npz:///nonexistent/conveyor-test", 1797, 3)
+    good = shard_tasks("good", DIGITS, 1797, 2)
+    async with (
+        running(kafka_settings),
+        TopicReader(kafka_settings, topics.batches("good")) as out,
+        TopicReader(kafka_settings, topics.jobs) as jobs,
+    ):
+        await publish_tasks(kafka_settings, [*gone, *bad, *good])
+        await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(good), 20)
+        await jobs.wait_for(lambda m: any(isinstance(e, JobEvent) for e in m), 10)
+        await committed_offsets(kafka_settings, topics.shards, group_id(topics.prefix))
+    failed = [m for m in jobs.messages if isinstance(m, JobEvent)]
+    assert [(e.job_id, e.event) for e in failed] == [("bad", "failed")]  # once per job
+    assert "/nonexistent/conveyor-test" in failed[0].data["reason"]
+    assert failed[0].data["reason"].startswith("shard bad:e0:train:")
+
+
+async def test_a_task_cut_short_is_redone_by_the_next_member(
+    kafka_settings: KafkaSettings,
+) -> None:
+    # aiokafka sends no LeaveGroup from generation 0 (Tansu's first): keep sessions short so
+    # the second member does not wait long for the first one's partitions.
+    kafka = kafka_settings.model_copy(
+        update={"session_timeout_s": 3.0, "heartbeat_interval_s": 0.5}
+    )
+    topics = await setup_topics(kafka, "job1")
+    tasks = shard_tasks("job1", SLOW, 4000, 12)  # ~0.25 s of CPU per task
+    await publish_tasks(kafka, tasks)
+    async with TopicReader(kafka, topics.batches("job1")) as out:
+        first = make_service(kafka, concurrency=2)
+        killed = asyncio.create_task(first.run())
+        await out.wait_for(lambda m: len(batch_ids_in(m)) >= 2, 20)
+        killed.cancel()  # mid-way: the tasks in progress are not acked
+        with contextlib.suppress(asyncio.CancelledError):
+            await killed
+        killed_at = time.time()
+        assert batch_ids_in(out.messages) < expected_ids(tasks)
+        async with running(kafka, concurrency=2):
+            await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(tasks), 25)
+    assert batch_ids_in(out.messages) == expected_ids(tasks)  # nothing lost
+    assert any(at > killed_at for _, _, at in out.records)  # the second member did work
+    pixels: dict[str, bytes] = {}
+    for message, _, _ in out.records:
+        assert isinstance(message, Batch)
+        data = message.x.numpy().tobytes()
+        assert pixels.setdefault(message.batch_id, data) == data  # duplicates are identical

@@ -1,0 +1,148 @@
+"""The preprocessor's pure work: shard task -> Batch messages, and its process helpers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from conveyor.libs.codec import decode, encode
+from conveyor.libs.config import StorageSettings
+from conveyor.libs.datasets import DatasetError, open_dataset
+from conveyor.libs.messages import Batch, ShardTask
+from conveyor.services.preprocessor.runtime import BusyMeter, DatasetCache
+from conveyor.services.preprocessor.work import (
+    augmenter_for,
+    batch_ids,
+    make_batches,
+    process_shard,
+    read_shard,
+)
+
+DIGITS = "builtin://sklearn-digits"
+SYNTHETIC = "synthetic://?n=500&shape=3x16x16&classes=4&seed=1"
+
+
+def make_task(**overrides: object) -> ShardTask:
+    args: dict[str, object] = dict(
+        job_id="job1", shard_id="job1:e2:train:00003", epoch=2, index=3, split="train",
+        dataset_uri=DIGITS, sample_ids=[5, 900, 17, 1796, 0, 44, 123, 321, 77, 8],
+        micro_batch_size=4, seed=11, preprocess={"augment": []}, released_at=1234.5,
+    )  # fmt: skip
+    args.update(overrides)
+    return ShardTask(**args)  # type: ignore[arg-type]
+
+
+def run(task: ShardTask) -> list[Batch]:
+    dataset = open_dataset(task.dataset_uri)
+    return process_shard(dataset, task, augmenter_for(task.preprocess))
+
+
+def test_batches_ids_shapes_dtypes_and_labels() -> None:
+    task = make_task()
+    batches = run(task)
+    assert [b.batch_id for b in batches] == [
+        "job1:e2:train:00003:b000", "job1:e2:train:00003:b001", "job1:e2:train:00003:b002",
+    ]  # fmt: skip
+    assert batch_ids(task) == [b.batch_id for b in batches]
+    assert [b.sample_ids for b in batches] == [[5, 900, 17, 1796], [0, 44, 123, 321], [77, 8]]
+    x_all, y_all = open_dataset(DIGITS).read(task.sample_ids)
+    for k, batch in enumerate(batches):
+        rows = slice(4 * k, 4 * k + 4)
+        assert batch.x.dtype == torch.uint8 and batch.y.dtype == torch.int64
+        assert list(batch.x.shape) == [len(batch.sample_ids), 1, 8, 8]
+        assert np.array_equal(batch.x.numpy(), x_all[rows])  # no augmentation: as read
+        assert batch.y.tolist() == y_all[rows].tolist()
+        assert (batch.job_id, batch.shard_id, batch.epoch, batch.split) == (
+            "job1", task.shard_id, 2, "train",
+        )  # fmt: skip
+        stamps = batch.timestamps
+        assert stamps["released"] == 1234.5
+        assert stamps["read_start"] <= stamps["read_end"] <= stamps["augment_end"]
+
+
+def test_same_task_gives_identical_bytes_and_ids() -> None:
+    task = make_task(
+        dataset_uri=SYNTHETIC,
+        sample_ids=list(range(40, 60)),
+        micro_batch_size=8,
+        preprocess={"augment": [{"name": "random_crop", "padding": 2}, {"name": "hflip"}]},
+    )
+    first, second = run(task), run(task)
+    assert [b.batch_id for b in first] == [b.batch_id for b in second]
+    for a, b in zip(first, second, strict=True):
+        a.timestamps.clear()
+        b.timestamps.clear()
+        assert encode(a) == encode(b)
+    round_trip = decode(encode(first[0]))
+    assert isinstance(round_trip, Batch) and torch.equal(round_trip.x, first[0].x)
+
+
+def test_augmentation_is_applied_and_keyed_by_epoch() -> None:
+    augment = {"augment": [{"name": "random_crop", "padding": 3}, {"name": "hflip", "p": 0.5}]}
+    plain = run(make_task(dataset_uri=SYNTHETIC, sample_ids=list(range(32)), micro_batch_size=32))
+    task = make_task(
+        dataset_uri=SYNTHETIC, sample_ids=list(range(32)), micro_batch_size=32, preprocess=augment
+    )
+    augmented = run(task)[0]
+    assert augmented.x.shape == plain[0].x.shape
+    changed = [not torch.equal(a, b) for a, b in zip(augmented.x, plain[0].x, strict=True)]
+    assert sum(changed) >= 16  # most samples are shifted or flipped
+    other_epoch = run(make_task(
+        dataset_uri=SYNTHETIC, sample_ids=list(range(32)), micro_batch_size=32,
+        preprocess=augment, epoch=3,
+    ))[0]  # fmt: skip
+    assert not torch.equal(other_epoch.x, augmented.x)
+    assert torch.equal(other_epoch.y, augmented.y)  # labels never change
+
+
+def test_a_sample_is_augmented_the_same_in_any_shard() -> None:
+    augment = {"augment": [{"name": "random_crop", "padding": 2}]}
+    whole = run(make_task(dataset_uri=SYNTHETIC, sample_ids=[7, 8, 9], preprocess=augment))[0]
+    alone = run(make_task(dataset_uri=SYNTHETIC, sample_ids=[9], preprocess=augment))[0]
+    assert torch.equal(whole.x[2], alone.x[0])
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="unknown op"):
+        augmenter_for({"augment": [{"name": "rotate"}]})
+    with pytest.raises(ValueError):
+        augmenter_for({"augment": "hflip"})
+    dataset = open_dataset(DIGITS)
+    with pytest.raises(DatasetError, match="out of range"):
+        read_shard(dataset, make_task(sample_ids=[1, 5000]))
+    with pytest.raises(DatasetError, match="no samples"):
+        read_shard(dataset, make_task(sample_ids=[]))
+
+
+def test_released_timestamp_only_when_released() -> None:
+    task = make_task(released_at=0.0)
+    samples = read_shard(open_dataset(DIGITS), task)
+    batches = make_batches(task, samples, augmenter_for({}))
+    assert "released" not in batches[0].timestamps
+
+
+def test_busy_meter_ratio() -> None:
+    meter = BusyMeter(window_s=10.0, slots=2)
+    start = meter._created
+    assert meter.ratio(now=start + 1.0) == 0.0
+    meter._done.append((start + 1.0, start + 3.0))  # one slot busy for 2 s
+    assert meter.ratio(now=start + 4.0) == pytest.approx(2.0 / (4.0 * 2))
+    assert meter.ratio(now=start + 13.5) == 0.0  # out of the window
+    with meter.busy():
+        assert meter.ratio() >= 0.0
+    assert len(meter._running) == 0 and len(meter._done) == 1
+
+
+async def test_dataset_cache_reuses_and_evicts() -> None:
+    cache = DatasetCache(storage=StorageSettings(), size=2, open_timeout_s=30)
+    first = await cache.get(DIGITS)
+    assert await cache.get(DIGITS) is first
+    await cache.get(SYNTHETIC)
+    await cache.get("synthetic://?n=10")
+    assert len(cache) == 2
+    assert await cache.get(DIGITS) is not first  # evicted, reopened
+    with pytest.raises(DatasetError):
+        await asyncio.wait_for(cache.get("npz:///does/not/exist"), 10)

@@ -1,0 +1,79 @@
+"""When the trainer reports progress (rate limit, changes only) and what its heartbeats carry."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from conveyor.libs.messages import Heartbeat, JobEvent, Message
+from conveyor.services.trainer.reporting import Reporter
+
+
+class FakeProducer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Message]] = []
+
+    async def send(self, topic: str, message: Message, *, key: Any = None) -> asyncio.Future[None]:
+        self.sent.append((topic, message))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+class State:
+    step = 0
+    samples = 0
+
+
+def reporter(producer: FakeProducer, state: State) -> Reporter:
+    return Reporter(
+        producer,  # type: ignore[arg-type]
+        jobs_topic="jobs",
+        control_topic="control",
+        job_id="j1",
+        worker_id="w1",
+        progress_interval_s=0.5,
+        heartbeat_interval_s=1.0,
+        progress=lambda: {"step": state.step, "samples_trained": state.samples},
+        heartbeat=lambda: {"version": 1, "samples_per_second": 10.0},
+    )
+
+
+def steps_reported(producer: FakeProducer) -> list[int]:
+    return [
+        m.data["step"]
+        for _, m in producer.sent
+        if isinstance(m, JobEvent) and m.event == "progress"
+    ]
+
+
+async def test_progress_is_rate_limited_and_sent_only_when_it_changed() -> None:
+    producer, state = FakeProducer(), State()
+    report = reporter(producer, state)
+    await report.maybe_send_progress(now=10.0)  # first report: due
+    state.step = 1
+    await report.maybe_send_progress(now=10.1)  # changed, but within the interval: held back
+    await report.maybe_send_progress(now=10.6)  # the interval passed: sent
+    await report.maybe_send_progress(now=11.5)  # nothing changed: nothing sent
+    state.samples = 64
+    await report.maybe_send_progress(now=11.6)  # changed and due
+    report.request_progress()
+    await report.maybe_send_progress(now=11.65)  # asked for (epoch end): sent though unchanged
+    assert steps_reported(producer) == [0, 1, 1, 1]
+    first = producer.sent[0]
+    assert first[0] == "jobs" and isinstance(first[1], JobEvent)
+    assert first[1].data["worker_id"] == "w1" and first[1].job_id == "j1"
+    # Flow control is the coordinator's: trainers do not report consumed batches.
+    assert all("consumed_batches" not in m.data for _, m in producer.sent)  # type: ignore[attr-defined]
+
+
+async def test_heartbeats_go_to_the_control_topic() -> None:
+    producer, state = FakeProducer(), State()
+    report = reporter(producer, state)
+    await report.send_heartbeat()
+    await report.send_heartbeat(leaving=True)
+    (topic, message), (_, leaving) = producer.sent
+    assert topic == "control" and isinstance(message, Heartbeat)
+    assert message.role == "trainer" and message.worker_id == "w1"
+    assert message.info == {"version": 1, "samples_per_second": 10.0}
+    assert isinstance(leaving, Heartbeat) and leaving.info["leaving"] is True
