@@ -257,7 +257,7 @@ def run_epoch(c: Coordinator, epoch: int, train: int) -> None:
 
 
 def evaluate(c: Coordinator, epoch: int, index: int, loss: float, correct: int) -> None:
-    c.fold(EvalResult(job_id=JOB, worker_id="a", epoch=epoch, version=c.epoch_end_version[epoch],
+    c.fold(EvalResult(job_id=JOB, worker_id="a", epoch=epoch, version=c.epochs.end_version[epoch],
                       batch_ids=[batch(epoch, index, "eval")], loss_sum=loss, correct=correct,
                       num_samples=4))  # fmt: skip
 
@@ -267,14 +267,14 @@ def test_epoch_end_and_eval_sums() -> None:
     c.fold(beat("a", T0))
     assert c.current_epoch == 0
     run_epoch(c, 0, 6)
-    assert c.epoch_end_version == {0: 2} and c.current_epoch == 1
-    assert c.epoch_result(0) is None  # eval not covered yet
+    assert c.epochs.end_version == {0: 2} and c.current_epoch == 1
+    assert c.epochs.result(0) is None  # eval not covered yet
     evaluate(c, 0, 0, loss=2.0, correct=3)
     evaluate(c, 0, 0, loss=2.0, correct=3)  # the same batch again: counted once
-    assert c.epoch_result(0) is None
+    assert c.epochs.result(0) is None
     assert c.consumed_batches == 7
     evaluate(c, 0, 1, loss=6.0, correct=1)
-    result = c.epoch_result(0)
+    result = c.epochs.result(0)
     assert result is not None
     assert (result.epoch, result.version) == (0, 2)
     assert result.eval_loss == pytest.approx(1.0) and result.eval_accuracy == pytest.approx(0.5)
@@ -294,7 +294,7 @@ def test_epoch_end_and_eval_sums() -> None:
     evaluate(c, 1, 0, 1.0, 4)
     evaluate(c, 1, 1, 1.0, 4)
     assert c.finished
-    assert [r.epoch for r in c.epoch_results()] == [0, 1]
+    assert [r.epoch for r in c.epochs.results()] == [0, 1]
     assert c.consumed_batches == 16
 
 

@@ -42,6 +42,7 @@ from conveyor.libs.messages import (
 )
 from conveyor.libs.optim import lr_at
 from conveyor.libs.plan import parse_batch_id
+from conveyor.services.aggregator.epochs import EpochBook
 from conveyor.services.aggregator.membership import Membership, allocate
 
 logger = logging.getLogger(__name__)
@@ -83,26 +84,6 @@ class Decisions:
     close: StepClose | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class EpochResult:
-    """An epoch whose train batches are all applied and whose eval batches are all covered."""
-
-    epoch: int
-    version: int
-    """The version that completed the epoch's train batches."""
-    eval_loss: float | None
-    eval_accuracy: float | None
-    train_loss: float | None
-
-
-@dataclass(slots=True)
-class _Tally:
-    loss_sum: float = 0.0
-    correct: int = 0
-    samples: int = 0
-    covered: set[str] = field(default_factory=set)
-
-
 class Coordinator:
     """See the module docstring. Not thread-safe."""
 
@@ -126,14 +107,15 @@ class Coordinator:
         self.last_loss: float | None = None
         self.first_sent_at: float | None = None
         self.last_closed_at: float | None = None
-        self.epoch_end_version: dict[int, int] = {}
+        self.epochs = EpochBook(
+            epochs=config.spec.training.epochs,
+            train_batches=config.train_batches_per_epoch,
+            eval_batches=config.eval_batches_per_epoch,
+        )
         self._pending: dict[str, Contribution] = {}  # arrival order
         self._seen: set[str] = set()
         self._applied_in: dict[str, int] = {}  # contribution id -> version that applied it
         self._applied_batches: set[str] = set()
-        self._train_applied: dict[int, int] = {}
-        self._train_loss: dict[int, list[float]] = {}  # epoch -> [loss_sum, samples]
-        self._eval: dict[int, _Tally] = {}
         self._awaiting_version: int | None = None
         self._awaiting_rejections: set[str] = set()
 
@@ -154,7 +136,7 @@ class Coordinator:
             if self._pending.pop(message.contribution_id, None) is not None:
                 self.rejected += 1
         elif isinstance(message, EvalResult):
-            self._fold_eval(message)
+            self.epochs.evaluated(message, self.config.job_id)
 
     def _fold_contribution(self, contribution: Contribution) -> None:
         self.members.seen(contribution.worker_id, contribution.sent_at)
@@ -184,47 +166,14 @@ class Coordinator:
             if contribution is not None:
                 loss_sum += contribution.loss_sum
             self.max_staleness = max(self.max_staleness, int(entry.get("staleness", 0)))
-        for batch_id in close.batch_ids:
-            self._applied_batches.add(batch_id)
-            ref = parse_batch_id(batch_id)
-            if ref.split == "train":
-                count = self._train_applied[ref.epoch] = self._train_applied.get(ref.epoch, 0) + 1
-                if count == self.config.train_batches_per_epoch:
-                    self.epoch_end_version[ref.epoch] = close.version
+        self._applied_batches.update(close.batch_ids)
+        self.epochs.applied(close.batch_ids, close.version)
         if close.num_samples > 0:
             self.steps += 1
             self.samples_trained += close.num_samples
             self.last_loss = loss_sum / close.num_samples
-            tally = self._train_loss.setdefault(close.epoch, [0.0, 0])
-            tally[0] += loss_sum
-            tally[1] += close.num_samples
+            self.epochs.train_loss(close.epoch, loss_sum, close.num_samples)
         self.last_closed_at = close.closed_at
-
-    def _fold_eval(self, result: EvalResult) -> None:
-        try:
-            refs = [parse_batch_id(b) for b in result.batch_ids]
-        except ValueError as exc:
-            logger.warning("job %s: ignoring EvalResult: %s", self.config.job_id, exc)
-            return
-        if any(r.split != "eval" or r.epoch != result.epoch for r in refs):
-            logger.warning("job %s: ignoring EvalResult of %s with batches of another epoch/split",
-                           self.config.job_id, result.worker_id)  # fmt: skip
-            return
-        tally = self._eval.setdefault(result.epoch, _Tally())
-        new = set(result.batch_ids) - tally.covered
-        if not new:
-            return
-        if len(new) < len(set(result.batch_ids)):
-            logger.warning("job %s: EvalResult of %s partly covers evaluated batches; counted",
-                           self.config.job_id, result.worker_id)  # fmt: skip
-        expected = self.epoch_end_version.get(result.epoch)
-        if expected is not None and result.version != expected:
-            logger.warning("job %s: epoch %d evaluated at version %d, not %d",
-                           self.config.job_id, result.epoch, result.version, expected)  # fmt: skip
-        tally.loss_sum += result.loss_sum
-        tally.correct += result.correct
-        tally.samples += result.num_samples
-        tally.covered |= new
 
     # -- derived state ---------------------------------------------------------------------
 
@@ -238,16 +187,12 @@ class Coordinator:
 
     @property
     def applied_train_batches(self) -> int:
-        return sum(self._train_applied.values())
-
-    @property
-    def covered_eval_batches(self) -> int:
-        return sum(len(t.covered) for t in self._eval.values())
+        return self.epochs.applied_train_batches
 
     @property
     def consumed_batches(self) -> int:
         """Applied train batches + covered eval batches (the sharder's flow control)."""
-        return self.applied_train_batches + self.covered_eval_batches
+        return self.epochs.applied_train_batches + self.epochs.covered_eval_batches
 
     @property
     def schedule_step(self) -> int:
@@ -259,8 +204,7 @@ class Coordinator:
     @property
     def current_epoch(self) -> int:
         """Lowest epoch whose train batches are not all applied (``epochs`` when none is)."""
-        epochs = self.config.spec.training.epochs
-        return next((e for e in range(epochs) if e not in self.epoch_end_version), epochs)
+        return self.epochs.current_epoch
 
     @property
     def training_finished(self) -> bool:
@@ -269,35 +213,11 @@ class Coordinator:
             return True
         return self.current_epoch >= self.config.spec.training.epochs
 
-    def _eval_complete(self, epoch: int) -> bool:
-        tally = self._eval.get(epoch)
-        covered = len(tally.covered) if tally is not None else 0
-        return covered >= self.config.eval_batches_per_epoch
-
     @property
     def finished(self) -> bool:
         """Training finished and every ended epoch's evaluation is complete."""
-        return self.training_finished and all(map(self._eval_complete, self.epoch_end_version))
-
-    def epoch_result(self, epoch: int) -> EpochResult | None:
-        """The result of ``epoch`` once its train batches are applied and its eval covered."""
-        version = self.epoch_end_version.get(epoch)
-        if version is None or not self._eval_complete(epoch):
-            return None
-        tally = self._eval.get(epoch, _Tally())
-        train = self._train_loss.get(epoch)
-        return EpochResult(
-            epoch=epoch,
-            version=version,
-            eval_loss=tally.loss_sum / tally.samples if tally.samples else None,
-            eval_accuracy=tally.correct / tally.samples if tally.samples else None,
-            train_loss=train[0] / train[1] if train and train[1] else None,
-        )
-
-    def epoch_results(self) -> list[EpochResult]:
-        """Every complete epoch result, by epoch."""
-        results = (self.epoch_result(e) for e in sorted(self.epoch_end_version))
-        return [r for r in results if r is not None]
+        ended = self.epochs.end_version
+        return self.training_finished and all(map(self.epochs.eval_complete, ended))
 
     # -- decisions -------------------------------------------------------------------------
 

@@ -69,14 +69,14 @@ def write_outputs(
 
 def summarise(coordinator: Coordinator, model_uri: str) -> dict[str, Any]:
     """The ``completed`` summary: DESIGN section 7 fields plus the gradient plane's figures."""
-    results = coordinator.epoch_results()
+    results = coordinator.epochs.results()
     last = results[-1] if results else None
     started, ended = coordinator.first_sent_at, coordinator.last_closed_at
     elapsed_s = (ended - started) if started is not None and ended is not None else 0.0
     steps = coordinator.steps
     return build_summary(
         job_id=coordinator.config.job_id,
-        epochs=len(coordinator.epoch_end_version),
+        epochs=len(coordinator.epochs.end_version),
         steps=steps,
         samples=coordinator.samples_trained,
         eval_accuracy=last.eval_accuracy if last else None,

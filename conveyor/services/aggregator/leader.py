@@ -18,7 +18,8 @@ from conveyor.libs.config import KafkaSettings
 from conveyor.libs.messages import JobEvent, Topics
 from conveyor.libs.storage import ObjectStore
 from conveyor.services.aggregator.config import AggregatorSettings
-from conveyor.services.aggregator.coordinator import Coordinator, EpochResult
+from conveyor.services.aggregator.coordinator import Coordinator
+from conveyor.services.aggregator.epochs import EpochResult
 from conveyor.services.aggregator.finish import final_params, summarise, write_outputs
 from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.metrics import AggregatorMetrics, rejection_label
@@ -78,7 +79,7 @@ class Leader:
             for entry in decisions.close.contributions:
                 self.metrics.staleness.observe(int(entry["staleness"]))
         await self._progress()
-        for result in coordinator.epoch_results():
+        for result in coordinator.epochs.results():
             await self._epoch_completed(result)
         if coordinator.finished:
             # In a task: the final ParamSlices may come from this very process's shards,

@@ -14,7 +14,6 @@ makes the new version.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -136,10 +135,6 @@ class SliceShard(Generic[R]):
             if held.grad.base_version < self.version - staleness_bound
         ]
         return [record for cid in dead for record in self._buffer.pop(cid).records]
-
-    def contributions(self) -> Iterator[str]:
-        """Ids of the held contributions."""
-        return iter(list(self._buffer))
 
 
 def _dense(grad: GradSlice) -> torch.Tensor:
