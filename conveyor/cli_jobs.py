@@ -69,10 +69,17 @@ def load_spec(path: Path) -> dict[str, Any]:
 
 @contextmanager
 def gateway_for(
-    state_dir: Path, gateway: str | None, token: str | None, *, start: bool, keep: bool = True
+    state_dir: Path,
+    gateway: str | None,
+    token: str | None,
+    *,
+    start: bool,
+    keep: bool = True,
+    scale: dict[str, int] | None = None,
 ) -> Iterator[GatewayClient]:
     """A client of ``gateway``, else of the recorded stack's gateway; with ``start`` a stack is
-    started when none runs, and stopped on exit unless ``keep``."""
+    started when none runs (``scale``: processes per service), and stopped on exit unless
+    ``keep``."""
     from conveyor.embedded import stack
     from conveyor.embedded.report import probe_stack
     from conveyor.embedded.state import load_state
@@ -87,7 +94,11 @@ def gateway_for(
                 raise ConveyorError(
                     f"no healthy Conveyor stack in {state_dir}: run `conveyor up` or pass --gateway"
                 )
-            config = stack.StackConfig(state_dir=state_dir, storage=resolve_storage(state_dir, {}))
+            config = stack.StackConfig(
+                state_dir=state_dir,
+                storage=resolve_storage(state_dir, {}),
+                scale=dict(scale or {}),
+            )
             with Console(stderr=True).status("Starting the Conveyor stack") as status:
                 state = stack.start_stack(config, notify=status.update).state
             started = True
@@ -102,6 +113,18 @@ def gateway_for(
         client.close()
         if started and not keep:
             stack.stop_stack(state_dir)
+
+
+def pool_sizes(spec: dict[str, Any]) -> dict[str, int]:
+    """The trainer and aggregator processes a stack started for ``spec`` runs: one per trainer
+    and one per aggregator shard the job asks for."""
+    from conveyor.embedded.registry import MAX_REPLICAS
+
+    distribution = spec["distribution"]
+    return {
+        "trainer": min(distribution["trainers"], MAX_REPLICAS),
+        "aggregator": min(distribution["aggregator_shards"], MAX_REPLICAS),
+    }
 
 
 def summary_of(job: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +205,14 @@ def register(app: typer.Typer) -> None:
         summary. Exit code 0 when the job completed, 1 otherwise."""
         spec_dict = _or_fail(lambda: load_spec(spec), code=2)
         try:
-            with gateway_for(state_dir, gateway, token, start=True, keep=keep_stack) as client:
+            with gateway_for(
+                state_dir,
+                gateway,
+                token,
+                start=True,
+                keep=keep_stack,
+                scale=pool_sizes(spec_dict),
+            ) as client:
                 job = client.submit(spec_dict)
                 Console(stderr=True).print(
                     f"submitted job [bold]{job['id']}[/bold] ({job['name']})"

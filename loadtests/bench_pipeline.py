@@ -161,7 +161,7 @@ class ReleaseOrder(torch.utils.data.Sampler[list[tuple[int, int, int]]]):
             yield [(self.epoch, split, int(i)) for i in ids[start : start + self.micro]]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
-        from conveyor.services.sharder.plan import epoch_order
+        from conveyor.libs.plan import epoch_order
 
         yield from self._chunks(epoch_order(self.train_ids, self.seed, self.epoch), TRAIN)
         yield from self._chunks(self.eval_ids, EVAL)
@@ -243,9 +243,10 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     from conveyor.libs.datasets import open_dataset
     from conveyor.libs.jobspec import JobSpec
     from conveyor.libs.models import build_model
+    from conveyor.libs.optim import build_optimizer
+    from conveyor.libs.plan import split_ids
     from conveyor.services.preprocessor.work import augmenter_for
-    from conveyor.services.sharder.plan import split_ids
-    from conveyor.services.trainer.compute import build_optimizer, resolve_device
+    from conveyor.services.trainer.compute import resolve_device
 
     # CPU from here on, like the Conveyor trainer's from the job's submission: the job's set-up
     # (model, optimizer: its first construction imports torch._dynamo) counts for both.

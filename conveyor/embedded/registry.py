@@ -46,6 +46,7 @@ SERVICES: dict[str, ServiceSpec] = {
     "sharder": ServiceSpec(entry="conveyor.services.sharder.main:main"),
     "preprocessor": ServiceSpec(entry="conveyor.services.preprocessor.main:main"),
     "trainer": ServiceSpec(entry="conveyor.services.trainer.main:main"),
+    "aggregator": ServiceSpec(entry="conveyor.services.aggregator.main:main"),
 }
 """Registered services by name, in the order ``conveyor up`` starts them."""
 

@@ -142,9 +142,7 @@ class StorageSettings(_FileAwareSettings):
 class TelemetrySettings(_FileAwareSettings):
     """Logging, tracing and metrics of one process."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="CONVEYOR_TELEMETRY_", frozen=True, extra="forbid"
-    )
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_TELEMETRY_", frozen=True, extra="forbid")
 
     log_level: str = "INFO"
     log_json: bool = Field(default=False, description="One JSON object per log line.")

@@ -165,6 +165,33 @@ class OptimizerSpec(_Spec):
         return betas
 
 
+class LrScheduleSpec(_Spec):
+    """Learning rate per optimizer step: linear warmup, then constant, cosine or step decay
+    (see :func:`conveyor.libs.optim.lr_at`)."""
+
+    name: Literal["constant", "cosine", "step"] = "constant"
+    """After warmup: keep ``lr``; cosine from ``lr`` to ``min_lr`` over the remaining steps;
+    or multiply by ``gamma`` every ``step_size`` steps."""
+    warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
+    """Steps of linear warmup from ``lr / warmup_steps`` up to ``lr``."""
+    step_size: int | None = Field(default=None, ge=1, le=10_000_000, validate_default=True)
+    """step: steps between two decays; required for step, only for step."""
+    gamma: float = Field(default=0.1, gt=0.0, le=1.0)
+    """step: decay factor."""
+    min_lr: float = Field(default=0.0, ge=0.0, le=10.0)
+    """Floor of the decayed learning rate (cosine ends there)."""
+
+    @field_validator("step_size")
+    @classmethod
+    def _step_size_only_for_step(cls, step_size: int | None, info: ValidationInfo) -> int | None:
+        name = info.data.get("name")
+        if name == "step" and step_size is None:
+            raise ValueError("step_size is required when name is step")
+        if name is not None and name != "step" and step_size is not None:
+            raise ValueError(f"step_size applies to name step only, not {name}")
+        return step_size
+
+
 class TrainingSpec(_Spec):
     epochs: int = Field(ge=1, le=10_000)
     global_batch_size: int = Field(ge=1, le=1_048_576)
@@ -172,6 +199,8 @@ class TrainingSpec(_Spec):
     micro_batch_size: int = Field(ge=1, le=65_536)
     """Samples per batch message; global_batch_size must be a multiple of it."""
     optimizer: OptimizerSpec
+    lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
+    """Learning rate per step, computed by the aggregator's coordinator."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute precision of forward/backward (bf16 via autocast)."""
     seed: int = Field(default=0, ge=0, le=MAX_SEED)

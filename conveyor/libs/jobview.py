@@ -16,9 +16,11 @@ Fold rules:
   A ``progress`` implies running. Terminal states are final: later events are ignored.
 - Events for a job never submitted, and unknown event names, are ignored.
 - Progress counters in ``progress`` events are each trainer's own; the view keeps the latest
-  report per worker and sums counters and rates over workers (step and epoch: the maximum),
-  except for a one-trainer job, whose latest report alone counts (a restarted trainer's
-  counters include its predecessor's).
+  report per worker and sums counters and rates over workers (step and epoch: the maximum).
+  A report with ``source: "coordinator"`` (the
+  aggregator that closes the job's steps) holds the job's own totals: once one is in, the
+  counters, step, epoch and loss come from it alone (adding it to the trainers' would count
+  every sample twice); rates and data wait still come from the trainers.
 - ``stage_latency_s`` ({stage: seconds}) of each progress report is kept in a bounded window
   per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99.
 """
@@ -113,6 +115,8 @@ class JobView:
     loss: float | None = None
     """Loss of the most recent progress report."""
     workers: dict[str, WorkerProgress] = field(default_factory=dict)
+    coordinator: WorkerProgress | None = None
+    """The latest report of the job's coordinator (job totals), if any."""
     epochs: dict[int, dict[str, Any]] = field(default_factory=dict)
     """epoch -> {eval_loss, eval_accuracy, train_loss} from epoch_completed."""
     stage_samples_s: dict[str, deque[float]] = field(default_factory=dict)
@@ -121,23 +125,13 @@ class JobView:
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
 
-    def _single_trainer(self) -> bool:
-        distribution = self.spec.get("distribution")
-        return isinstance(distribution, dict) and distribution.get("trainers") == 1
-
     def progress(self) -> dict[str, Any]:
-        """Job-level progress: counters summed over workers, step/epoch maxima, mean wait.
-
-        A job of one trainer (``distribution.trainers == 1``) takes the latest report alone: a
-        trainer restarted from its checkpoint reports, under a new worker id, counters that
-        already include its predecessor's, so a sum would count them twice (the sharder's
-        flow control reads such a job the same way).
-        """
+        """Job-level progress: the coordinator's totals (before its first report, the trainers'
+        counters summed), step/epoch maxima, the trainers' summed rates and mean data wait."""
         reports = list(self.workers.values())
-        if self._single_trainer() and reports:
-            reports = [max(reversed(reports), key=lambda report: report.at)]
+        counted = reports if self.coordinator is None else [self.coordinator]
         totals: dict[str, Any] = {
-            name: sum(getattr(report, name) for report in reports) for name in _SUMMED_COUNTERS
+            name: sum(getattr(report, name) for report in counted) for name in _SUMMED_COUNTERS
         }
         waits = [r.data_wait_ratio for r in reports if r.data_wait_ratio is not None]
         training = self.spec.get("training")
@@ -149,9 +143,9 @@ class JobView:
         if max_steps is not None and (total_steps is None or max_steps < total_steps):
             total_steps = max_steps
         return {
-            "epoch": max((r.epoch for r in reports), default=0),
+            "epoch": max((r.epoch for r in counted), default=0),
             "epochs": epochs_total,
-            "step": max((r.step for r in reports), default=0),
+            "step": max((r.step for r in counted), default=0),
             "total_steps": total_steps,
             **totals,
             "loss": self.loss,
@@ -285,7 +279,13 @@ def _on_progress(job: JobView, data: dict[str, Any], at: float) -> bool:
     report.loss = _number(data, "loss")
     report.samples_per_second = _number(data, "samples_per_second") or 0.0
     report.data_wait_ratio = _number(data, "data_wait_ratio")
-    job.workers[worker_id] = report
+    if data.get("source") == "coordinator":
+        # The coordinator counts batches the job consumed (applied or evaluated) as
+        # ``consumed_batches``, the trainers' reports as ``batches_consumed``.
+        report.batches_consumed = _integer(data, "consumed_batches") or 0
+        job.coordinator = report
+    else:
+        job.workers[worker_id] = report
     if report.loss is not None:
         job.loss = report.loss
     stages = data.get("stage_latency_s")

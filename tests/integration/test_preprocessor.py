@@ -23,9 +23,9 @@ from conveyor.libs.codec import decode
 from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.libs.datasets import open_dataset
 from conveyor.libs.messages import Batch, JobEvent, Message, ShardTask, Topics
+from conveyor.libs.plan import JobPlan
 from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
 from conveyor.services.preprocessor.service import PreprocessorService
-from conveyor.services.sharder.plan import JobPlan
 
 DIGITS = "builtin://sklearn-digits"
 SLOW = "synthetic://?n=4000&shape=1x8x8&classes=10&seed=2&cost_ms=4"

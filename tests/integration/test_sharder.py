@@ -20,8 +20,8 @@ from conveyor.libs.bus import Producer, TopicAdmin
 from conveyor.libs.codec import decode
 from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.libs.messages import JobEvent, Message, ShardTask, Topics
+from conveyor.libs.plan import JobPlan
 from conveyor.services.sharder.config import SharderSettings
-from conveyor.services.sharder.plan import JobPlan
 from conveyor.services.sharder.service import SharderService
 
 DIGITS_SPEC: dict[str, Any] = {
@@ -33,6 +33,7 @@ DIGITS_SPEC: dict[str, Any] = {
         "epochs": 2, "global_batch_size": 64, "micro_batch_size": 32,
         "optimizer": {"name": "sgd", "lr": 0.1}, "seed": 3,
     },
+    "distribution": {"aggregator_shards": 3},
     "flow": {"max_lead_batches": 5, "shard_size": 64},  # 2 batches per shard
 }  # fmt: skip
 
@@ -102,6 +103,10 @@ class TopicReader:
         await self._consumer.stop()
 
     @property
+    def partitions(self) -> int:
+        return len(self._consumer.assignment())
+
+    @property
     def messages(self) -> list[Message]:
         return [message for message, _ in self.records]
 
@@ -143,7 +148,8 @@ async def topic_names(kafka: KafkaSettings) -> set[str]:
 
 
 def progress(consumed: int) -> dict[str, Any]:
-    return {"worker_id": "w1", "epoch": 0, "step": 1, "consumed_batches": consumed}
+    return {"worker_id": "coordinator", "source": "coordinator", "step": 1,
+            "consumed_batches": consumed}  # fmt: skip
 
 
 async def test_plans_releases_with_flow_control_and_cancels(
@@ -170,6 +176,10 @@ async def test_plans_releases_with_flow_control_and_cancels(
             "batches_partitions": 2,
         }  # fmt: skip
         assert {topics.batches("job1"), topics.control("job1")} <= await topic_names(kafka_settings)
+        async with TopicReader(kafka_settings, topics.grads("job1")) as grads:
+            assert grads.partitions == 3  # one per aggregator shard
+        async with TopicReader(kafka_settings, topics.params("job1")) as params:
+            assert params.partitions == 3
 
         # Lead 5 with 2-batch shards: tasks start at 0, 2 and 4 released batches, then stop.
         await shards.wait_for(lambda m: len(tasks_of(m, "job1")) >= 3, 10)
@@ -222,12 +232,17 @@ async def test_bad_jobs_fail_and_the_next_job_is_planned(kafka_settings: KafkaSe
                       {"spec": spec_with(dataset={"uri": bad_uri})})  # fmt: skip
         await publish(kafka_settings, "bad-spec", "submitted",
                       {"spec": spec_with(training={"epochs": 0})})  # fmt: skip
+        await publish(kafka_settings, "bad-model", "submitted",
+                      {"spec": spec_with(model={"name": "resnet18", "width": 4})})  # fmt: skip
         await publish(kafka_settings, "good", "submitted", {"spec": DIGITS_SPEC})
         await jobs.wait_for(
             lambda m: bool(events(m, "good", "planned") and events(m, "bad-data", "failed")
-                           and events(m, "bad-spec", "failed")),
+                           and events(m, "bad-spec", "failed")
+                           and events(m, "bad-model", "failed")),
             15,
         )  # fmt: skip
+        model_reason = events(jobs.messages, "bad-model", "failed")[0].data["reason"]
+        assert "cannot train model 'resnet18'" in model_reason and "buffers" in model_reason
         data_reason = events(jobs.messages, "bad-data", "failed")[0].data["reason"]
         assert bad_uri in data_reason and "cannot read dataset" in data_reason
         spec_reason = events(jobs.messages, "bad-spec", "failed")[0].data["reason"]

@@ -132,25 +132,25 @@ def test_progress_sums_workers_and_keeps_latest_report_each() -> None:
     assert job.updated_at == 4.0 and job.seq == 5 and job.state == "running"
 
 
-def test_one_trainer_job_takes_the_latest_report_not_the_sum() -> None:
-    # The trainer w0 died after step 2; w1 resumed from its checkpoint of step 1 and reports
-    # counters that include w0's work up to that checkpoint.
+def test_the_coordinators_totals_replace_the_sum_of_the_trainers() -> None:
+    # Two trainers report their own applied samples; the coordinator reports the job's totals
+    # (the same samples): the view must not add them up.
     view = fold(
-        submitted("a", distribution={"trainers": 1}),
+        submitted("a"),
         ev("a", "planned", steps_per_epoch=10),
-        ev("a", "progress", at=2.0, worker_id="w0", epoch=0, step=2, samples_trained=64,
-           batches_consumed=2, consumed_train_batches=2, samples_per_second=100.0),
-        ev("a", "running", at=3.0, worker_id="w1"),
-        ev("a", "progress", at=4.0, worker_id="w1", epoch=0, step=3, samples_trained=96,
-           batches_consumed=3, consumed_train_batches=3, samples_per_second=80.0),
+        ev("a", "progress", at=2.0, worker_id="w0", epoch=0, step=3, samples_trained=64,
+           samples_per_second=100.0, data_wait_ratio=0.1, loss=2.5),
+        ev("a", "progress", at=3.0, worker_id="w1", epoch=0, step=3, samples_trained=128,
+           samples_per_second=80.0, data_wait_ratio=0.3),
+        ev("a", "progress", at=4.0, worker_id="coordinator", source="coordinator", epoch=1,
+           step=4, samples_trained=192, consumed_batches=7, consumed_train_batches=6, loss=1.1),
     )  # fmt: skip
     progress = view.get("a").progress()  # type: ignore[union-attr]
-    assert (progress["step"], progress["samples_trained"], progress["batches_consumed"]) == (
-        3,
-        96,
-        3,
-    )
-    assert progress["samples_per_second"] == pytest.approx(80.0)
+    assert (progress["epoch"], progress["step"], progress["samples_trained"]) == (1, 4, 192)
+    assert (progress["batches_consumed"], progress["consumed_train_batches"]) == (7, 6)
+    assert progress["samples_per_second"] == pytest.approx(180.0)
+    assert progress["data_wait_ratio"] == pytest.approx(0.2)
+    assert progress["loss"] == 1.1
     assert progress["workers"] == ["w0", "w1"]
 
 

@@ -15,9 +15,9 @@ from conveyor.libs.bus import Received
 from conveyor.libs.bus.offsets import PartitionOffsets
 from conveyor.libs.jobspec import JobSpec
 from conveyor.libs.messages import JobEvent, Topics
-from conveyor.services.sharder.flow import ConsumedCounter, FlowControl
+from conveyor.libs.plan import JobPlan, epoch_order, split_ids
+from conveyor.services.sharder.flow import FlowControl
 from conveyor.services.sharder.jobs import JobTable, consumed_batches
-from conveyor.services.sharder.plan import JobPlan, epoch_order, split_ids
 
 
 def make_plan(**overrides: object) -> JobPlan:
@@ -212,20 +212,6 @@ def test_flow_finishes_and_rejects_bad_lead() -> None:
         FlowControl(plan, max_lead_batches=0)
 
 
-def test_consumed_counter_sums_or_takes_latest() -> None:
-    summed = ConsumedCounter(sum_workers=True)
-    summed.report("a", 5)
-    summed.report("b", 7)
-    summed.report("a", 6)
-    assert summed.total == 13
-    latest = ConsumedCounter(sum_workers=False)
-    latest.report("old-worker", 30)
-    latest.report("restarted-worker", 32)  # resumed from a checkpoint: includes the old count
-    assert latest.total == 32
-    latest.report("x", -3)
-    assert latest.total == 0
-
-
 # ------------------------------------------------------------------------------- job table
 
 
@@ -251,10 +237,13 @@ def test_job_table_holds_submitted_and_folds_events() -> None:
     job = table.get("j")
     assert job is not None and job.spec is not None and job.spec_error is None
     assert table.apply(received("j", "planned", 1)) and job.planned_seen
-    assert table.apply(received("j", "progress", 2, worker_id="w", consumed_batches=7))
-    assert table.apply(received("j", "progress", 3, worker_id="w", batches_consumed=9))
-    assert table.apply(received("j", "progress", 4, worker_id="w", loss=1.0))  # no count
-    assert job.consumed.total == 9 and not job.consumed.sum_workers
+    coordinator = {"worker_id": "coordinator", "source": "coordinator"}
+    assert table.apply(received("j", "progress", 2, **coordinator, consumed_batches=7))
+    assert table.apply(received("j", "progress", 3, worker_id="w", consumed_batches=50))
+    assert job.consumed == 7  # only the coordinator's count matters
+    assert table.apply(received("j", "progress", 4, **coordinator, consumed_batches=9))
+    assert table.apply(received("j", "progress", 5, **coordinator, loss=1.0))  # no count
+    assert job.consumed == 9
     assert table.apply(received("j", "cancel_requested", 6)) and job.cancel_requested
     assert not job.terminal
     assert table.apply(received("j", "cancelled", 7)) and job.terminal

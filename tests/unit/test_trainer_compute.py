@@ -1,32 +1,41 @@
-"""Gradient accumulation, normalisation, optimizers and devices of the trainer's compute."""
+"""The trainer's compute: summed-loss gradients, parameter versions in, encoded slices out,
+evaluation on end-of-epoch snapshots, normalisation, devices, the simulated slow device."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from conveyor.libs.jobspec import NormalizeSpec, OptimizerSpec, ResourcesSpec
+from conveyor.libs.compression import decode_slice
+from conveyor.libs.jobspec import CompressionSpec, NormalizeSpec, ResourcesSpec
 from conveyor.libs.models import build_model
-from conveyor.services.trainer.compute import (
-    Engine,
-    LocalUpdater,
-    Normalizer,
-    apply_resources,
-    build_optimizer,
-    resolve_device,
-)
+from conveyor.libs.slicing import ParamLayout
+from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
+from conveyor.services.trainer.gradients import SliceEncoder
 
 CPU = torch.device("cpu")
 
 
-def make_engine(optimizer: OptimizerSpec) -> tuple[Engine, LocalUpdater]:
+def make_engine(
+    compression: CompressionSpec | None = None, *, slices: int = 3, delay_s: float = 0.0
+) -> Engine:
     torch.manual_seed(0)
     model = build_model(
         "small_cnn", in_channels=1, num_classes=10, image_size=(8, 8), channels=[8, 16]
     )
-    engine = Engine(model, CPU, bf16=False, normalizer=Normalizer(None, 1, CPU))
-    updater = LocalUpdater(model, build_optimizer(optimizer, list(model.parameters())))
-    return engine, updater
+    layout = ParamLayout.from_model(model)
+    encoder = SliceEncoder(compression or CompressionSpec(), layout.slice_bounds(slices))
+    return Engine(
+        model,
+        CPU,
+        bf16=False,
+        normalizer=Normalizer(None, 1, CPU),
+        layout=layout,
+        encoder=encoder,
+        simulated_delay_s=delay_s,
+    )
 
 
 def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,53 +45,89 @@ def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-        OptimizerSpec(name="adamw", lr=0.01, weight_decay=0.01),
-    ],
-)
-def test_two_micro_batches_make_the_same_update_as_one_double_batch(
-    optimizer: OptimizerSpec,
-) -> None:
+def dense(engine: Engine) -> torch.Tensor:
+    """The encoded gradient of the engine's accumulated micro-batches, decoded and joined."""
+    encoded, _ = engine.gradient()
+    return torch.cat(
+        [decode_slice(s.encoding, s.values, s.indices, s.numel) for s in encoded.slices]
+    )
+
+
+def test_micro_batches_sum_to_the_gradient_of_the_whole_batch_summed_loss() -> None:
     x, y = batch(12, seed=1)
-    sizes = [(0, 5), (5, 12)]  # unequal micro-batches: the mean is by sample count
-    accumulated, accumulated_updater = make_engine(optimizer)
-    whole, whole_updater = make_engine(optimizer)
-    for _ in range(3):  # several steps, so optimizer state (momentum, moments) matters too
-        loss_parts = sum(accumulated.accumulate(x[a:b], y[a:b]).loss_sum for a, b in sizes)
-        accumulated_updater.apply(12)
-        loss_whole = whole.accumulate(x, y).loss_sum
-        whole_updater.apply(12)
-        assert loss_parts == pytest.approx(loss_whole, rel=1e-5)
-    for (name, p_acc), (_, p_whole) in zip(
-        accumulated.model.named_parameters(), whole.model.named_parameters(), strict=True
-    ):
-        torch.testing.assert_close(p_acc, p_whole, rtol=1e-5, atol=1e-6, msg=name)
-        assert p_acc.grad is None  # cleared for the next step
+    parts, whole = make_engine(), make_engine()
+    loss_parts = sum(parts.accumulate(x[a:b], y[a:b]).loss_sum for a, b in [(0, 5), (5, 12)])
+    loss_whole = whole.accumulate(x, y).loss_sum
+    assert loss_parts == pytest.approx(loss_whole, rel=1e-5)
+    whole_grad = dense(whole)
+    torch.testing.assert_close(dense(parts), whole_grad, rtol=1e-4, atol=1e-5)
+    # The gradient is the summed loss's: 12 x the mean loss's.
+    mean_model = make_engine().model
+    torch.nn.functional.cross_entropy(mean_model(x.float() / 255.0), y).backward()
+    mean_grad = ParamLayout.from_model(mean_model).flatten_grads(mean_model)
+    torch.testing.assert_close(whole_grad, 12 * mean_grad, rtol=1e-4, atol=1e-5)
 
 
-def test_evaluate_counts_correct_predictions_on_a_snapshot_without_gradients() -> None:
-    engine, updater = make_engine(OptimizerSpec(name="sgd", lr=0.5))
-    x, y = batch(16, seed=2)
-    snapshot = engine.snapshot()
-    before = [p.clone() for p in snapshot.parameters()]
-    engine.accumulate(x, y)
-    updater.apply(16)  # the live model moves on; the snapshot must not
+def test_dense_slices_are_the_flat_gradient_cut_at_the_layout_bounds() -> None:
+    engine = make_engine(slices=4)
+    engine.accumulate(*batch(8, seed=2))
+    expected = engine.layout.flatten_grads(engine.model)
+    encoded, _ = engine.gradient()
+    bounds = engine.layout.slice_bounds(4)
+    assert [s.numel for s in encoded.slices] == [stop - start for start, stop in bounds]
+    assert all(s.encoding == "dense" and s.values.dtype == torch.float32 for s in encoded.slices)
+    assert torch.equal(torch.cat([s.values for s in encoded.slices]), expected)
+    assert encoded.nbytes == 4 * expected.numel() and encoded.feedback_delta is None
+    assert all(p.grad is None for p in engine.model.parameters())  # cleared for the next step
+
+
+def test_fp16_slices_halve_the_bytes_and_decode_close_to_the_gradient() -> None:
+    engine = make_engine(CompressionSpec(kind="fp16"))
+    engine.accumulate(*batch(8, seed=3))
+    expected = engine.layout.flatten_grads(engine.model)
+    encoded, _ = engine.gradient()
+    assert all(s.values.dtype == torch.float16 for s in encoded.slices)
+    assert encoded.nbytes == 2 * expected.numel()
+    joined = torch.cat([decode_slice("fp16", s.values, s.indices, s.numel) for s in encoded.slices])
+    torch.testing.assert_close(joined, expected, rtol=1e-3, atol=1e-4)
+
+
+def test_load_sets_a_version_and_snapshot_keeps_it_while_the_model_moves_on() -> None:
+    engine = make_engine()
+    layout = engine.layout
+    version = torch.linspace(-1, 1, layout.numel)  # [N]
+    engine.accumulate(*batch(4, seed=4))  # a gradient from before the load is discarded
+    engine.load(version)
+    assert torch.equal(layout.flatten_params(engine.model), version)
+    assert all(p.grad is None for p in engine.model.parameters())
+    snapshot = engine.snapshot(version)
+    engine.load(torch.zeros(layout.numel))
+    assert torch.equal(layout.flatten_params(snapshot), version)
+    x, y = batch(16, seed=5)
     result = engine.evaluate(snapshot, x, y)
     logits = snapshot(x.float() / 255.0)
-    assert result.samples == 16
-    assert result.correct == int((logits.argmax(1) == y).sum())
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot.parameters(), strict=True))
-    assert all(p.grad is None for p in snapshot.parameters())
+    assert result.samples == 16 and result.correct == int((logits.argmax(1) == y).sum())
+    assert all(p.grad is None and not p.requires_grad for p in snapshot.parameters())
 
 
-def test_bf16_autocast_runs_on_cpu() -> None:
-    engine, _ = make_engine(OptimizerSpec(name="adam", lr=0.01))
+def test_bf16_autocast_keeps_fp32_gradients() -> None:
+    engine = make_engine()
     engine.bf16 = True
-    result = engine.accumulate(*batch(4, seed=3))
+    result = engine.accumulate(*batch(4, seed=6))
+    encoded, _ = engine.gradient()
     assert result.samples == 4 and result.loss_sum > 0
+    assert all(s.values.dtype == torch.float32 for s in encoded.slices)
+
+
+def test_the_simulated_delay_is_slept_per_micro_batch_and_counted_as_compute() -> None:
+    engine = make_engine(delay_s=0.05)
+    x, y = batch(4, seed=7)
+    started = time.perf_counter()
+    results = [engine.accumulate(x, y), engine.accumulate(x, y)]
+    assert time.perf_counter() - started >= 0.1
+    assert all(r.compute_s >= 0.05 for r in results)
+    with pytest.raises(ValueError, match="simulated_delay_s"):
+        make_engine(delay_s=-1.0)
 
 
 def test_normalizer_scales_then_standardises_per_channel() -> None:
@@ -93,16 +138,6 @@ def test_normalizer_scales_then_standardises_per_channel() -> None:
     assert out.flatten().tolist() == [1.0, 0.5, -1.0, 0.0]
     with pytest.raises(ValueError, match="3 values for 2"):
         Normalizer(NormalizeSpec(mean=[0.1] * 3, std=[1.0] * 3), 2, CPU)
-
-
-def test_optimizers_follow_the_spec() -> None:
-    params = [torch.nn.Parameter(torch.zeros(2))]
-    sgd = build_optimizer(OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, nesterov=True), params)
-    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"] is True
-    adam = build_optimizer(OptimizerSpec(name="adam", lr=0.1, betas=(0.8, 0.9)), params)
-    assert isinstance(adam, torch.optim.Adam) and adam.defaults["betas"] == (0.8, 0.9)
-    adamw = build_optimizer(OptimizerSpec(name="adamw", lr=0.1, weight_decay=0.05), params)
-    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["weight_decay"] == 0.05
 
 
 def test_devices_and_resources() -> None:
@@ -118,15 +153,3 @@ def test_devices_and_resources() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
-
-
-def test_simulated_delay_slows_every_micro_batch_and_counts_as_compute() -> None:
-    engine, _ = make_engine(OptimizerSpec(name="sgd", lr=0.1))
-    engine.simulated_delay_s = 0.05
-    x, y = batch(4, seed=3)
-    trained = engine.accumulate(x, y)
-    evaluated = engine.evaluate(engine.snapshot(), x, y)
-    assert trained.compute_s >= 0.05 and evaluated.compute_s >= 0.05
-    assert trained.samples == evaluated.samples == 4
-    with pytest.raises(ValueError, match="simulated_delay_s"):
-        Engine(engine.model, CPU, bf16=False, normalizer=engine.normalize, simulated_delay_s=-1)

@@ -1,4 +1,4 @@
-"""When the trainer reports progress: rate limit, prompt reports while waiting, flow steps."""
+"""When the trainer reports progress (rate limit, changes only) and what its heartbeats carry."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class FakeProducer:
 
 
 class State:
-    consumed = 0
-    waiting = False
+    step = 0
+    samples = 0
 
 
 def reporter(producer: FakeProducer, state: State) -> Reporter:
@@ -33,48 +33,47 @@ def reporter(producer: FakeProducer, state: State) -> Reporter:
         job_id="j1",
         worker_id="w1",
         progress_interval_s=0.5,
-        heartbeat_interval_s=3.0,
-        lead_batches=16,
-        progress=lambda: {"consumed_batches": state.consumed, "step": state.consumed // 2},
-        heartbeat=lambda: {"step": 1},
-        waiting=lambda: state.waiting,
+        heartbeat_interval_s=1.0,
+        progress=lambda: {"step": state.step, "samples_trained": state.samples},
+        heartbeat=lambda: {"version": 1, "samples_per_second": 10.0},
     )
 
 
-def consumed_reported(producer: FakeProducer) -> list[int]:
+def steps_reported(producer: FakeProducer) -> list[int]:
     return [
-        m.data["consumed_batches"]
+        m.data["step"]
         for _, m in producer.sent
         if isinstance(m, JobEvent) and m.event == "progress"
     ]
 
 
-async def test_progress_is_rate_limited_unless_waiting_or_a_flow_step_passed() -> None:
+async def test_progress_is_rate_limited_and_sent_only_when_it_changed() -> None:
     producer, state = FakeProducer(), State()
     report = reporter(producer, state)
     await report.maybe_send_progress(now=10.0)  # first report: due
-    state.consumed = 1
-    await report.maybe_send_progress(now=10.1)  # busy, changed by 1 < 16 / 4: held back
-    state.consumed = 4
-    await report.maybe_send_progress(now=10.2)  # a quarter of the lead consumed: sent
-    state.consumed = 5
-    state.waiting = True
-    await report.maybe_send_progress(now=10.25)  # the step loop starves: sent at once
-    await report.maybe_send_progress(now=10.3)  # nothing changed: nothing sent
-    state.waiting = False
-    state.consumed = 6
-    await report.maybe_send_progress(now=10.8)  # the interval passed: sent
+    state.step = 1
+    await report.maybe_send_progress(now=10.1)  # changed, but within the interval: held back
+    await report.maybe_send_progress(now=10.6)  # the interval passed: sent
+    await report.maybe_send_progress(now=11.5)  # nothing changed: nothing sent
+    state.samples = 64
+    await report.maybe_send_progress(now=11.6)  # changed and due
     report.request_progress()
-    await report.maybe_send_progress(now=10.85)  # asked for (epoch end): sent though unchanged
-    assert consumed_reported(producer) == [0, 4, 5, 6, 6]
+    await report.maybe_send_progress(now=11.65)  # asked for (epoch end): sent though unchanged
+    assert steps_reported(producer) == [0, 1, 1, 1]
     first = producer.sent[0]
     assert first[0] == "jobs" and isinstance(first[1], JobEvent)
     assert first[1].data["worker_id"] == "w1" and first[1].job_id == "j1"
+    # Flow control is the coordinator's: trainers do not report consumed batches.
+    assert all("consumed_batches" not in m.data for _, m in producer.sent)  # type: ignore[attr-defined]
 
 
 async def test_heartbeats_go_to_the_control_topic() -> None:
     producer, state = FakeProducer(), State()
-    await reporter(producer, state).send_heartbeat()
-    topic, message = producer.sent[0]
+    report = reporter(producer, state)
+    await report.send_heartbeat()
+    await report.send_heartbeat(leaving=True)
+    (topic, message), (_, leaving) = producer.sent
     assert topic == "control" and isinstance(message, Heartbeat)
-    assert message.role == "trainer" and message.worker_id == "w1" and message.info == {"step": 1}
+    assert message.role == "trainer" and message.worker_id == "w1"
+    assert message.info == {"version": 1, "samples_per_second": 10.0}
+    assert isinstance(leaving, Heartbeat) and leaving.info["leaving"] is True

@@ -1,5 +1,5 @@
-"""Joining a job: the plan as the trainer reads it, the model and optimizer it builds, the
-consumer bound it derives, and the reasons a job fails before training."""
+"""Joining a job: the plan as the trainer reads it, the model, layout and encoder it builds,
+the consumer bound it derives, and the reasons a job fails before training."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from conveyor.libs.jobview import JobView
+from conveyor.libs.messages import Topics
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.jobwatch import JobPlan
 from conveyor.services.trainer.session import JobFailed, prepare_job
-from conveyor.services.trainer.tally import EvalTally, JobTally
+from conveyor.services.trainer.tally import TrainerTally
+
+TOPICS = Topics("c.")
 
 PLAN: dict[str, Any] = {
     "num_train": 1438,
@@ -37,7 +40,13 @@ SPEC: dict[str, Any] = {
         "seed": 3,
         "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
     },
-    "checkpoint": {"every_steps": 5},
+    "distribution": {
+        "trainers": 2,
+        "aggregator_shards": 3,
+        "mode": "ssp",
+        "staleness": 2,
+        "compression": {"kind": "topk", "ratio": 0.1},
+    },
     "resources": {"device": "cpu"},
     "flow": {"max_lead_batches": 10, "shard_size": 64},
 }
@@ -66,18 +75,24 @@ def test_plan_fields_are_parsed_and_checked() -> None:
         JobPlan.from_event_data({**PLAN, "num_classes": 0})
 
 
-def test_prepare_builds_a_seeded_model_and_the_consumer_bound() -> None:
-    session = prepare_job(
-        job(), TrainerSettings(worker_id="w", prefetch_batches=4, in_flight_margin_batches=8)
-    )
-    again = prepare_job(job(), TrainerSettings(worker_id="w"))
+def test_prepare_builds_the_seeded_version_0_its_slices_and_the_consumer_bound() -> None:
+    settings = TrainerSettings(worker_id="w", prefetch_batches=4, in_flight_margin_batches=8)
+    session = prepare_job(job(), settings, TOPICS)
+    again = prepare_job(job(), TrainerSettings(worker_id="w"), TOPICS)
     for a, b in zip(session.model.parameters(), again.model.parameters(), strict=True):
         assert torch.equal(a, b)  # weights come from the job's seed
-    assert isinstance(session.optimizer, torch.optim.SGD)
-    assert session.group_id == "conveyor-trainer.j1" and session.micro_batches_per_step == 2
-    assert session.checkpoint_every_steps == 5  # the spec's, not the setting's default 20
-    # 2 intervals of 5 steps x 2 micro-batches + lead 10 + 1 shard (2) + eval 12 + 4 + 8
-    assert session.max_in_flight == 20 + 10 + 2 + 12 + 4 + 8
+    assert session.group_id == "conveyor-trainer.j1"
+    assert session.grads_topic == "c.job.j1.grads" and session.params_topic == "c.job.j1.params"
+    assert session.num_slices == 3 and session.bounds[-1][1] == session.layout.numel
+    assert session.engine.encoder.encoding == "topk" and session.engine.encoder.error_feedback
+    # lead 10 + 1 shard (2) + eval 12 + (staleness 2 + 2) x 2 micro-batches + 4 + 8
+    assert session.max_in_flight == 10 + 2 + 12 + 8 + 4 + 8
+
+
+def test_models_with_buffers_are_refused() -> None:
+    spec = {**SPEC, "model": {"name": "resnet18", "width": 8, "norm": "batch"}}
+    with pytest.raises(JobFailed, match="buffers"):
+        prepare_job(job(spec), TrainerSettings(worker_id="w"), TOPICS)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +109,7 @@ def test_jobs_that_cannot_be_trained_fail_with_a_reason(
     spec: dict[str, Any], plan: dict[str, Any] | None, reason: str
 ) -> None:
     with pytest.raises(JobFailed) as failed:
-        prepare_job(job(spec, plan), TrainerSettings(worker_id="w"))
+        prepare_job(job(spec, plan), TrainerSettings(worker_id="w"), TOPICS)
     assert reason in str(failed.value)
 
 
@@ -102,14 +117,13 @@ def test_cuda_demanded_without_cuda_fails_the_job() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(JobFailed, match="CUDA is not available"):
-        prepare_job(job({**SPEC, "resources": {"device": "cuda"}}), TrainerSettings(worker_id="w"))
+        prepare_job(
+            job({**SPEC, "resources": {"device": "cuda"}}), TrainerSettings(worker_id="w"), TOPICS
+        )
 
 
-def test_tally_round_trips_and_closes_epochs() -> None:
-    tally = JobTally(step=7, consumed_batches=20, epoch_loss_sum=6.0, epoch_samples=3)
-    assert tally.close_train_epoch(0, with_eval=True) == 2.0
-    tally.evals[0].add(loss_sum=4.0, correct=3, samples=4)
-    restored = JobTally.from_json(tally.to_json())
-    assert restored == tally and restored.evals[0] == EvalTally(loss_sum=4.0, correct=3, samples=4)
-    assert restored.close_eval(0) == {"train_loss": 2.0, "eval_loss": 1.0, "eval_accuracy": 0.75}
-    assert restored.last_result()["eval_accuracy"] == 0.75
+def test_tally_counts_applied_contributions() -> None:
+    tally = TrainerTally()
+    tally.applied(samples=64, batches=2, loss_sum=32.0)
+    tally.applied(samples=0, batches=0, loss_sum=0.0)  # an empty contribution
+    assert (tally.samples_trained, tally.batches_trained, tally.loss) == (64, 2, 0.5)

@@ -13,7 +13,13 @@ from conveyor.libs.bus import Received
 from conveyor.libs.bus.offsets import PartitionOffsets
 from conveyor.libs.messages import Batch
 from conveyor.services.trainer.input import DeviceCopier, Prefetcher
-from conveyor.services.trainer.timing import StageLatencies, WaitMeter
+from conveyor.services.trainer.timing import (
+    STEP_PARTS,
+    Rates,
+    StageLatencies,
+    StepTimes,
+    WaitMeter,
+)
 
 
 def record(offset: int, job_id: str = "job1") -> Received:
@@ -76,6 +82,7 @@ async def measure(source: FakeSource, compute_s: float, batches: int) -> WaitMet
         await asyncio.sleep(0.05)  # start-up: let prefetch fill, as the runner skips this wait
         for _ in range(batches):
             item, wait_s = await prefetch.get()
+            assert item is not None
             assert item.timestamps["received"] <= item.timestamps["h2d_end"]
             started = time.perf_counter()
             await asyncio.sleep(compute_s)  # the step loop yields while the compute thread runs
@@ -110,22 +117,46 @@ async def test_records_of_another_job_are_rejected_not_queued() -> None:
     fetching = asyncio.create_task(prefetch.run())
     item, _ = await asyncio.wait_for(prefetch.get(), 5)
     fetching.cancel()
-    assert item.received.offset == 2
+    assert item is not None and item.received.offset == 2
     assert rejected == ["batch of job other, not job1"]
+
+
+async def test_get_gives_up_after_its_timeout() -> None:
+    prefetch = prefetcher(FakeSource(interval_s=10.0), depth=1, rejected=[])
+    fetching = asyncio.create_task(prefetch.run())
+    item, waited = await prefetch.get(timeout_s=0.05)
+    fetching.cancel()
+    assert item is None and 0.04 <= waited < 1.0
 
 
 def test_wait_meter_window_and_job_totals() -> None:
     now = [0.0]
     meter = WaitMeter(window_s=10.0, clock=lambda: now[0])
-    assert meter.ratio is None and meter.recent() == (None, 0.0)
+    assert meter.ratio is None and meter.recent() == Rates(None, 0.0, 0.0)
     meter.add(wait_s=3.0, compute_s=1.0, samples=40)
     now[0] = 20.0  # the first entry leaves the window
-    meter.add(wait_s=0.0, compute_s=2.0, samples=100)
-    assert meter.ratio == pytest.approx(3.0 / 6.0)
-    recent_ratio, recent_rate = meter.recent()
-    assert recent_ratio == 0.0 and recent_rate == pytest.approx(50.0)
+    meter.add(wait_s=1.0, compute_s=2.0, samples=100)
+    meter.add(sync_s=2.0)  # the gradient plane's time is step time too
+    assert meter.ratio == pytest.approx(4.0 / 9.0)
+    rates = meter.recent()
+    assert rates.data_wait_ratio == pytest.approx(1.0 / 5.0)
+    assert rates.samples_per_second == pytest.approx(100 / 5.0)  # wall: wait + compute + sync
+    assert rates.compute_samples_per_second == pytest.approx(50.0)  # compute only
     with pytest.raises(ValueError):
         meter.add(wait_s=-1.0)
+
+
+def test_step_times_average_the_recent_steps() -> None:
+    times = StepTimes(window=2)
+    assert times.means() == dict.fromkeys(STEP_PARTS, 0.0)
+    times.add(data_wait=9.0, compute=9.0)  # leaves the window
+    times.add(data_wait=1.0, h2d=0.5, compute=2.0, grad_send=0.2, param_wait=0.4)
+    times.add(compute=4.0, param_wait=0.2)
+    assert times.means() == pytest.approx(
+        {"data_wait": 0.5, "h2d": 0.25, "compute": 3.0, "grad_send": 0.1, "param_wait": 0.3}
+    )
+    with pytest.raises(ValueError, match="unknown"):
+        times.add(update=1.0)
 
 
 def test_stage_latencies_from_batch_stamps() -> None:

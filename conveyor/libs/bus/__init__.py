@@ -4,6 +4,8 @@
 * :class:`Producer` encodes, size-checks and sends; ``send`` returns the ack as a future.
 * :class:`Consumer` decodes, bounds in-flight work, commits only acked prefixes, parks
   undecodable records on the dead-letter topic, and reports its lag.
+* :class:`TopicTail` reads every partition of a topic without a group (whole logs, or the
+  last record of each partition).
 * :func:`process_span` traces the processing of a :class:`Received` record.
 
 Client options derived from :class:`~conveyor.libs.config.KafkaSettings` live in
@@ -15,6 +17,7 @@ from conveyor.libs.bus.consumer import Consumer, Handler
 from conveyor.libs.bus.errors import BusError, BusUnavailable, ConsumerStopped, RecordTooLarge
 from conveyor.libs.bus.producer import Producer
 from conveyor.libs.bus.received import Received
+from conveyor.libs.bus.tail import Tailed, TopicTail, read_last
 from conveyor.libs.bus.tracing import extract_context, inject_headers, process_span
 
 __all__ = [
@@ -26,10 +29,13 @@ __all__ = [
     "Producer",
     "Received",
     "RecordTooLarge",
+    "Tailed",
     "TopicAdmin",
     "TopicSpec",
+    "TopicTail",
     "ensure_topics",
     "extract_context",
     "inject_headers",
     "process_span",
+    "read_last",
 ]

@@ -2,9 +2,10 @@
 
 The rule (brief, "Data-plane service design"): task ``k`` of the release sequence is released
 when ``batches_before(k) - consumed < max_lead_batches``, where ``batches_before(k)`` counts the
-batches of tasks ``0..k-1`` and ``consumed`` is the number of unique batches the job's trainers
-report as finished (``progress`` events). Releases happen in sequence order, so the released
-tasks are always a prefix of the sequence.
+batches of tasks ``0..k-1`` and ``consumed`` is the number of unique batches finished (train
+batches applied to the model + eval batches evaluated) that the job's coordinator (the
+aggregator owning the job's grads partition 0) reports in its ``progress`` events. Releases
+happen in sequence order, so the released tasks are always a prefix of the sequence.
 """
 
 from __future__ import annotations
@@ -21,33 +22,6 @@ class ReleaseSequence(Protocol):
     def batches_before(self, task_index: int) -> int: ...
 
     def first_unconsumed_task(self, consumed_batches: int) -> int: ...
-
-
-class ConsumedCounter:
-    """Consumed batches of one job, from the trainers' progress reports.
-
-    Keeps each worker's latest report. ``sum_workers=True`` (several trainers share the job)
-    sums them; otherwise the latest report wins, because a single trainer restarted from its
-    checkpoint reports under a new worker id counters that already include its predecessor's.
-    """
-
-    __slots__ = ("_by_worker", "_latest", "sum_workers")
-
-    def __init__(self, *, sum_workers: bool) -> None:
-        self.sum_workers = sum_workers
-        self._by_worker: dict[str, int] = {}
-        self._latest = 0
-
-    def report(self, worker_id: str, consumed_batches: int) -> None:
-        """Record ``worker_id``'s latest count (negative counts are treated as 0)."""
-        value = max(0, consumed_batches)
-        self._by_worker[worker_id] = value
-        self._latest = value
-
-    @property
-    def total(self) -> int:
-        """Consumed batches of the job."""
-        return sum(self._by_worker.values()) if self.sum_workers else self._latest
 
 
 class FlowControl:

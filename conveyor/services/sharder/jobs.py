@@ -19,8 +19,8 @@ from opentelemetry.trace import SpanContext
 from conveyor.libs.bus import Received
 from conveyor.libs.jobspec import JobSpec
 from conveyor.libs.messages import JobEvent, Topics
-from conveyor.services.sharder.flow import ConsumedCounter, FlowControl
-from conveyor.services.sharder.plan import JobPlan
+from conveyor.libs.plan import JobPlan
+from conveyor.services.sharder.flow import FlowControl
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ class JobRecord:
     spec: JobSpec | None
     """The parsed spec; None when it is invalid (``spec_error`` says why)."""
     spec_error: str | None
-    consumed: ConsumedCounter
+    consumed: int = 0
+    """Batches finished, from the coordinator's latest progress event."""
     planned_seen: bool = False
     """A ``planned`` event for the job is in the log (do not publish another)."""
     cancel_requested: bool = False
@@ -127,9 +128,6 @@ class JobTable:
             submitted=received,
             spec=spec,
             spec_error=error,
-            consumed=ConsumedCounter(
-                sum_workers=spec is not None and spec.distribution.trainers > 1
-            ),
         )
         return False
 
@@ -148,19 +146,26 @@ def _parse_spec(event: JobEvent, topics: Topics) -> tuple[JobSpec | None, str | 
         return None, f"invalid job spec: {exc}"
 
 
+COORDINATOR_SOURCE = "coordinator"
+"""``source`` of the progress events of the job's coordinator (the aggregator process owning
+partition 0 of the job's grads topic): the only progress the flow control counts."""
+
+
 def consumed_batches(data: dict[str, Any]) -> int | None:
-    """The consumed-batches count of a progress event: ``consumed_batches`` (train + eval
-    batches finished, all epochs), else ``batches_consumed``; None when absent or not an int."""
-    for key in ("consumed_batches", "batches_consumed"):
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    """The ``consumed_batches`` count of a coordinator progress event (train batches applied
+    + eval batches evaluated, all epochs); None when absent or not an int."""
+    value = data.get("consumed_batches")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
     return None
 
 
 def _fold_progress(job: JobRecord, data: dict[str, Any]) -> None:
+    if data.get("source") != COORDINATOR_SOURCE:
+        return  # trainers report their own work; the coordinator's count is the job's
     consumed = consumed_batches(data)
     if consumed is None:
-        logger.warning("job %s: progress event without consumed_batches ignored", job.job_id)
+        logger.warning("job %s: coordinator progress without consumed_batches", job.job_id)
         return
-    job.consumed.report(str(data.get("worker_id", "")), consumed)
+    # Latest wins: a new coordinator after a failover rebuilds the same count from the log.
+    job.consumed = max(0, consumed)

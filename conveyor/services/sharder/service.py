@@ -44,12 +44,13 @@ from conveyor.libs.bus import (
 from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.libs.datasets import Dataset, DatasetError, open_dataset
 from conveyor.libs.messages import JobEvent, ShardTask, Topics
+from conveyor.libs.plan import JobPlan
 from conveyor.libs.service import Service
+from conveyor.libs.slicing import build_job_model
 from conveyor.libs.telemetry import counter, gauge
 from conveyor.services.sharder.config import SharderSettings, group_id
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.services.sharder.jobs import JobRecord, JobTable
-from conveyor.services.sharder.plan import JobPlan
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +241,21 @@ class SharderService(Service):
             raise _PlanFailed(f"cannot read dataset {uri}: {type(exc).__name__}: {exc}") from exc
         self._dataset_attempts.pop(job.job_id, None)
         try:
-            return JobPlan.from_spec(job.job_id, job.spec, dataset.num_samples), dataset
+            plan = JobPlan.from_spec(job.job_id, job.spec, dataset.num_samples)
         except ValueError as exc:
             raise _PlanFailed(f"cannot plan dataset {uri}: {exc}") from exc
+        try:
+            # Shapes only (meta device): an unknown option or a model with buffers, which the
+            # aggregator cannot aggregate, fails the job now rather than at training time.
+            build_job_model(
+                job.spec,
+                num_classes=dataset.num_classes,
+                sample_shape=dataset.sample_shape,
+                device="meta",
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise _PlanFailed(f"cannot train model {job.spec.model.name!r}: {exc}") from exc
+        return plan, dataset
 
     def _planned_data(self, job: JobRecord, plan: JobPlan, dataset: Dataset) -> dict[str, Any]:
         assert job.spec is not None
@@ -266,9 +279,14 @@ class SharderService(Service):
 
     async def _create_job_topics(self, job: JobRecord) -> None:
         assert self._admin is not None
+        assert job.spec is not None
+        # One partition of grads and params per parameter slice (aggregator shard).
+        slices = job.spec.distribution.aggregator_shards
         await self._admin.create_topics([
             TopicSpec(self.topics.batches(job.job_id), partitions=self._batches_partitions(job)),
             TopicSpec(self.topics.control(job.job_id), partitions=1),
+            TopicSpec(self.topics.grads(job.job_id), partitions=slices),
+            TopicSpec(self.topics.params(job.job_id), partitions=slices),
         ])  # fmt: skip
 
     # -- releasing -------------------------------------------------------------------------
@@ -276,7 +294,7 @@ class SharderService(Service):
     async def _release(self, job: JobRecord) -> None:
         plan, flow, spec, producer = job.plan, job.flow, job.spec, self._producer
         assert plan is not None and flow is not None and spec is not None and producer is not None
-        tasks = flow.releasable(job.consumed.total)
+        tasks = flow.releasable(job.consumed)
         if not tasks:
             return
         preprocess = spec.preprocess.model_dump(mode="json")
@@ -339,4 +357,4 @@ class SharderService(Service):
 
 
 def _lead(job: JobRecord) -> int:
-    return 0 if job.flow is None else job.flow.lead_batches(job.consumed.total)
+    return 0 if job.flow is None else job.flow.lead_batches(job.consumed)

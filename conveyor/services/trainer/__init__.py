@@ -1,2 +1,2 @@
-"""The trainer: joins a job, consumes its batches, trains, checkpoints, reports (issue 3:
-a single trainer runs the optimizer step itself)."""
+"""The trainer: joins a job, consumes its batches, computes gradients and trains through the
+aggregator shards (the gradient plane); evaluates each epoch's eval batches."""

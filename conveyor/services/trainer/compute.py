@@ -1,11 +1,13 @@
-"""The trainer's torch side: device and resources, the model step, evaluation, the update.
+"""The trainer's torch side: device and resources, the model step, evaluation, parameters in
+and gradients out.
 
-Every function here blocks; the service calls them from one compute thread
-(``asyncio.to_thread`` on a single-worker executor), never on the event loop.
+Every function here blocks; the service calls them from one compute thread (a single-worker
+executor), never on the event loop.
 
-Gradient accumulation: each micro-batch adds the gradient of its *summed* loss; the update
-divides the accumulated gradient by the step's sample count, so a step of several micro-batches
-equals one batch of all their samples (loss averaged by sample count), whatever their sizes.
+Gradient accumulation: each micro-batch adds the gradient of its *summed* loss, so a
+contribution's gradient is the sum over its samples; the aggregator divides the sum of all
+contributions by the step's sample count (a step equals one batch of all its samples, loss
+averaged by sample count, whatever the split between trainers and micro-batches).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conveyor.libs.jobspec import NormalizeSpec, OptimizerSpec, ResourcesSpec
+from conveyor.libs.jobspec import NormalizeSpec, ResourcesSpec
+from conveyor.libs.slicing import ParamLayout
+from conveyor.services.trainer.gradients import EncodedGrad, SliceEncoder
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -43,25 +46,6 @@ def apply_resources(resources: ResourcesSpec, device: torch.device) -> None:
         torch.set_num_threads(resources.threads)
     if resources.memory_fraction is not None and device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(resources.memory_fraction, device)
-
-
-def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The job's optimizer over ``params``."""
-    if spec.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=spec.lr,
-            momentum=spec.momentum,
-            weight_decay=spec.weight_decay,
-            nesterov=spec.nesterov,
-        )
-    if spec.name == "adam":
-        return torch.optim.Adam(
-            params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
-        )
-    return torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
-    )
 
 
 class Normalizer:
@@ -94,12 +78,12 @@ class MicroResult:
 
 
 class Engine:
-    """Forward/backward and evaluation of one model on one device, at the job's precision.
+    """Forward/backward and evaluation of one model on one device, at the job's precision;
+    loads parameter versions in and encodes the step's gradient out.
 
     ``simulated_delay_s`` (a simulation/benchmark knob, normally 0): extra seconds slept after
     every micro-batch's forward/backward or evaluation, inside the timed compute, to emulate
-    a slower accelerator (flow-control and autoscaling tests, one-GPU simulation of a
-    heterogeneous pool).
+    a slower accelerator (one machine simulating a heterogeneous pool).
     """
 
     def __init__(
@@ -109,6 +93,8 @@ class Engine:
         *,
         bf16: bool,
         normalizer: Normalizer,
+        layout: ParamLayout,
+        encoder: SliceEncoder,
         simulated_delay_s: float = 0.0,
     ) -> None:
         if simulated_delay_s < 0:
@@ -117,6 +103,8 @@ class Engine:
         self.device = device
         self.bf16 = bf16
         self.normalize = normalizer
+        self.layout = layout
+        self.encoder = encoder
         self.simulated_delay_s = simulated_delay_s
 
     def _simulate_slower_device(self) -> None:
@@ -137,6 +125,15 @@ class Engine:
         correct = (logits.detach().argmax(dim=1) == y).sum()
         return torch.stack([loss, correct.to(loss.dtype)])
 
+    def load(self, flat: torch.Tensor) -> float:
+        """Set the parameters to fp32 [N] ``flat`` (any device) and clear the gradients;
+        returns the seconds it took."""
+        started = time.perf_counter()
+        self.layout.load_flat(self.model, flat.to(self.device))
+        self.model.zero_grad(set_to_none=True)
+        self._synchronize()
+        return time.perf_counter() - started
+
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> MicroResult:
         """Add the gradient of the summed loss of batch ``x`` uint8 [B,C,H,W], ``y`` [B]."""
         started = time.perf_counter()
@@ -147,6 +144,18 @@ class Engine:
         self._simulate_slower_device()
         return MicroResult(loss_sum, int(correct), int(y.shape[0]), time.perf_counter() - started)
 
+    def gradient(self) -> tuple[EncodedGrad, float]:
+        """The accumulated gradient, flattened, sliced and encoded (slices on the CPU); clears
+        the gradients. Returns it and the seconds it took."""
+        started = time.perf_counter()
+        encoded = self.encoder.encode(self.layout.flatten_grads(self.model))  # [N] -> K slices
+        self.model.zero_grad(set_to_none=True)
+        return encoded, time.perf_counter() - started
+
+    def discard_gradient(self) -> None:
+        """Clear the accumulated gradient (a step abandoned before it was sent)."""
+        self.model.zero_grad(set_to_none=True)
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> MicroResult:
         """Loss and accuracy of ``model`` (a snapshot) on one eval batch; no gradient."""
@@ -155,51 +164,16 @@ class Engine:
         self._simulate_slower_device()
         return MicroResult(loss_sum, int(correct), int(y.shape[0]), time.perf_counter() - started)
 
-    def snapshot(self) -> nn.Module:
-        """A frozen copy of the model in eval mode (for evaluating an epoch later)."""
+    def snapshot(self, flat: torch.Tensor) -> nn.Module:
+        """A frozen copy of the model holding fp32 [N] ``flat``, in eval mode (evaluating an
+        epoch on its end-of-epoch parameters)."""
         frozen = copy.deepcopy(self.model)
+        frozen.zero_grad(set_to_none=True)
+        self.layout.load_flat(frozen, flat.to(self.device))
         frozen.eval()
         frozen.requires_grad_(False)
         return frozen
 
-
-class Updater(Protocol):
-    """Turns a step's accumulated gradient into new parameters.
-
-    Issue 3: :class:`LocalUpdater` steps a local optimizer. Issue 4 swaps in one that sends the
-    gradient slices to the aggregator shards and waits for the next parameter version.
-    """
-
-    def apply(self, num_samples: int) -> float:
-        """Apply the gradient summed over ``num_samples`` samples; return the seconds it took.
-        Leaves the gradients cleared for the next step."""
-        ...
-
-
-class LocalUpdater:
-    """Runs the job's optimizer in this process on the mean gradient of the step."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def apply(self, num_samples: int) -> float:
-        if num_samples < 1:
-            raise ValueError(f"a step needs at least one sample, got {num_samples}")
-        started = time.perf_counter()
-        scale = 1.0 / num_samples
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if param_device(self.model).type == "cuda":
-            torch.cuda.synchronize(param_device(self.model))
-        return time.perf_counter() - started
-
-
-def param_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (cpu for a model without any)."""
-    for param in model.parameters():
-        return param.device
-    return torch.device("cpu")
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

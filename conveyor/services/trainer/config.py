@@ -1,7 +1,8 @@
 """Settings of the trainer (``CONVEYOR_TRAINER_...``), read once at the edge.
 
-What a job asks for (model, optimizer, precision, device, threads, memory fraction) comes from
-its spec; these settings are the process's own: identity, cadences and buffer depths.
+What a job asks for (model, precision, compression, mode, device, threads, memory fraction)
+comes from its spec; these settings are the process's own: identity, cadences, buffer depths
+and the waits of the gradient-plane protocol.
 """
 
 from __future__ import annotations
@@ -31,16 +32,6 @@ class TrainerSettings(_FileAwareSettings):
         max_length=128,
         description="Id of this trainer in events and heartbeats; default trainer-<host>-<pid>.",
     )
-    checkpoint_every_steps: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
-        default=20,
-        description=(
-            "Trainer-state checkpoint cadence in optimizer steps when the job spec sets no "
-            "checkpoint.every_steps (one is also written at every epoch end)."
-        ),
-    )
-    keep_states: Annotated[int, Field(ge=1, le=100)] = Field(
-        default=2, description="Trainer-state checkpoints kept per job (older ones deleted)."
-    )
     prefetch_batches: Annotated[int, Field(ge=1, le=1024)] = Field(
         default=4,
         description="Batches copied to the device ahead of the step loop (the prefetch depth).",
@@ -48,15 +39,35 @@ class TrainerSettings(_FileAwareSettings):
     in_flight_margin_batches: Annotated[int, Field(ge=0, le=1_000_000)] = Field(
         default=64,
         description=(
-            "Extra unacknowledged batches the consumer may hold beyond the checkpoint interval, "
-            "the job's lead and one epoch of eval batches (duplicates, shard granularity)."
+            "Extra unacknowledged batches the consumer may hold beyond the job's lead, one epoch "
+            "of eval batches and the outstanding contributions (duplicates, shard granularity)."
         ),
     )
     progress_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
         default=0.5, description="Least time between two progress events of a job."
     )
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=300)] = Field(
-        default=3.0, description="Time between heartbeats on the job's control topic."
+        default=1.0,
+        description=(
+            "Time between heartbeats on the job's control topic (membership and throughput "
+            "for the coordinator; keep it well under its member timeout)."
+        ),
+    )
+    empty_contribution_wait_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=0.2,
+        description=(
+            "Sync mode: how long a step waits for a batch of the current epoch before it "
+            "sends an empty contribution (so a trainer without data never holds a step up); "
+            "also the longest wait for each further micro-batch of a step."
+        ),
+    )
+    member_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=10.0,
+        description=(
+            "A trainer without a heartbeat for this long no longer counts as live when this "
+            "trainer splits a step equally before its first allocation (the coordinator's own "
+            "membership timeout decides the steps)."
+        ),
     )
     stage_window: Annotated[int, Field(ge=1, le=100_000)] = Field(
         default=256, description="Recent batches per stage kept for latency percentiles."
@@ -75,17 +86,17 @@ class TrainerSettings(_FileAwareSettings):
     )
     retry_backoff_s: Annotated[float, Field(gt=0, le=300)] = Field(
         default=2.0,
-        description="Wait before rejoining a job after a retriable broker or storage failure.",
+        description="Wait before rejoining a job after a retriable broker failure.",
     )
     simulated_step_delay_s: Annotated[float, Field(ge=0, le=60)] = Field(
         default=0.0,
         description=(
             "Simulation/benchmark knob, 0 in production: extra seconds the compute thread "
             "sleeps per micro-batch (train and eval), counted as compute, to emulate a slower "
-            "accelerator (flow-control tests, heterogeneous-pool simulation on one machine)."
+            "accelerator (heterogeneous-pool simulation on one machine)."
         ),
     )
     drain_timeout_s: Annotated[float, Field(gt=0, le=600)] = Field(
         default=20.0,
-        description="How long a stop waits for the checkpoint being written to finish.",
+        description="How long a stop waits for the job's contribution in flight to be sent.",
     )

@@ -43,7 +43,7 @@ class ReadyBatch:
     """A batch whose tensors are on the device, with its record and its trace span."""
 
     received: Received
-    """The record; acknowledged once a durable checkpoint contains its effect."""
+    """The record; acknowledged once the control log shows the batch's effect."""
     batch_id: str
     epoch: int
     split: str
@@ -56,6 +56,8 @@ class ReadyBatch:
     """The pipeline's stamps plus ``received`` and ``h2d_end`` (unix seconds)."""
     span: Span
     """``process <topic>``; ended by the step loop when the batch is done."""
+    h2d_s: float = 0.0
+    """Seconds the copy to the device took (in the copy thread, beside the compute)."""
 
     @property
     def samples(self) -> int:
@@ -129,13 +131,18 @@ class Prefetcher:
     def qsize(self) -> int:
         return self._queue.qsize()
 
-    async def get(self) -> tuple[ReadyBatch, float]:
-        """The next ready batch and the seconds spent waiting for it (0 when one was ready)."""
+    async def get(self, timeout_s: float | None = None) -> tuple[ReadyBatch | None, float]:
+        """The next ready batch (None when none came within ``timeout_s``; None: wait as
+        long as it takes) and the seconds spent waiting (0 when one was ready)."""
         try:
             return self._queue.get_nowait(), 0.0
         except asyncio.QueueEmpty:
             started = time.perf_counter()
-            item = await self._queue.get()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    item: ReadyBatch | None = await self._queue.get()
+            except TimeoutError:
+                item = None
             return item, time.perf_counter() - started
 
     async def run(self) -> None:
@@ -176,6 +183,7 @@ class Prefetcher:
                     y=y,
                     timestamps=stamps,
                     span=span,
+                    h2d_s=(h2d_ended - h2d_started) / 1e9,
                 )
             )
 

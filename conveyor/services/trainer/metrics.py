@@ -30,24 +30,38 @@ class TrainerMetrics:
             "Batches finished, by split and outcome.",
             ["split", "outcome"],
         )
-        self.samples = counter(SERVICE, "samples_total", "Samples trained.")
-        self.steps = counter(SERVICE, "steps_total", "Optimizer steps applied.")
+        self.samples = counter(SERVICE, "samples_total", "Samples of applied contributions.")
+        self.contributions = counter(
+            SERVICE,
+            "contributions_total",
+            "Contributions by outcome (applied, rejected, empty).",
+            ["outcome"],
+        )
         self.rejected = counter(
             SERVICE, "rejected_records_total", "Records on a batches topic that were not batches."
         )
-        self.checkpoints = counter(SERVICE, "checkpoints_total", "Trainer states saved.")
+        self.grad_bytes = counter(
+            SERVICE, "grad_bytes_total", "Gradient payload bytes sent (all slices)."
+        )
         self.data_wait = histogram(
             SERVICE, "data_wait_seconds", "Exposed data wait of the step loop per batch."
         )
         self.compute = histogram(
             SERVICE, "compute_seconds", "Forward/backward (or eval) time per batch."
         )
-        self.step_time = histogram(SERVICE, "update_seconds", "Optimizer update time per step.")
-        self.checkpoint_time = histogram(
-            SERVICE, "checkpoint_seconds", "Time to write a trainer state (off the step loop)."
+        self.grad_send = histogram(
+            SERVICE,
+            "grad_send_seconds",
+            "From the first gradient slice sent to the contribution acknowledged, per step.",
         )
+        self.param_wait = histogram(
+            SERVICE,
+            "param_wait_seconds",
+            "From the contribution sent to the next parameter version loaded, per step.",
+        )
+        self.version = gauge(SERVICE, "param_version", "Parameter version loaded last.")
         self.data_wait_ratio = gauge(
-            SERVICE, "data_wait_ratio", "Recent exposed data wait / (wait + compute)."
+            SERVICE, "data_wait_ratio", "Recent exposed data wait / (wait + the rest of the step)."
         )
         self.samples_per_second = gauge(SERVICE, "samples_per_second", "Recent throughput.")
         self.held_batches = gauge(SERVICE, "held_batches", "Batches waiting for their epoch.")

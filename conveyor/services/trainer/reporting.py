@@ -1,10 +1,10 @@
 """A job's outbound reports: lifecycle events on the jobs topic, heartbeats on its control topic.
 
-Progress events are rate-limited to one per ``progress_interval_s`` while the step loop is
-busy. Because the sharder releases new shards only when it sees ``consumed_batches`` rise, a
-changed count goes out within a tick (0.1 s) when the step loop waits for data, when asked (an
-epoch end), and whenever a quarter of the job's lead was consumed since the last report (so
-new shards are on their way before the trainer runs dry).
+Heartbeats (every ``heartbeat_interval_s``) are the trainer's membership in the job and carry
+the throughput the coordinator allocates micro-batches by. Progress events are this trainer's
+own figures, rate-limited to one per ``progress_interval_s`` and sent only when something
+changed (or at once when asked, e.g. at an epoch end). Flow control is not the trainers'
+business any more: the coordinator reports the job's consumed batches.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from conveyor.libs.messages import Heartbeat, JobEvent
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.1
-"""Longest delay of a progress event while the step loop waits, or after an epoch end."""
+"""Granularity of the periodic sends."""
 
 Snapshot = Callable[[], dict[str, Any]]
 
@@ -41,10 +41,8 @@ class Reporter:
         worker_id: str,
         progress_interval_s: float,
         heartbeat_interval_s: float,
-        lead_batches: int,
         progress: Snapshot,
         heartbeat: Snapshot,
-        waiting: Callable[[], bool],
     ) -> None:
         self._producer = producer
         self._jobs_topic = jobs_topic
@@ -55,12 +53,9 @@ class Reporter:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._progress = progress
         self._heartbeat = heartbeat
-        self._waiting = waiting
         self._last_progress_at = float("-inf")
         self._last_heartbeat_at = float("-inf")
         self._last_key: tuple[Any, ...] | None = None
-        self._last_consumed = 0
-        self._consumed_step = max(1, lead_batches // 4)
         self._urgent = False
 
     def request_progress(self) -> None:
@@ -77,29 +72,26 @@ class Reporter:
             await asyncio.sleep(_TICK_S)
 
     async def maybe_send_progress(self, now: float) -> None:
-        """Send a progress event if the numbers changed and one is due."""
+        """Send a progress event if the numbers changed and one is due (or one was asked)."""
         data = self._progress()
-        key = (data.get("consumed_batches"), data.get("step"), data.get("epoch"))
+        key = (data.get("step"), data.get("epoch"), data.get("samples_trained"))
         if key == self._last_key and not self._urgent:
             return
-        consumed = int(data.get("consumed_batches") or 0)
-        due = now - self._last_progress_at >= self._progress_interval_s
-        flow = consumed - self._last_consumed >= self._consumed_step
-        if not (due or flow or self._urgent or self._waiting()):
+        if not self._urgent and now - self._last_progress_at < self._progress_interval_s:
             return
         self._urgent = False
         self._last_key = key
-        self._last_consumed = consumed
         self._last_progress_at = now
         await self.send_event("progress", {"worker_id": self.worker_id, **data})
 
-    async def send_heartbeat(self) -> None:
+    async def send_heartbeat(self, **extra: Any) -> None:
+        """Enqueue a heartbeat whose info is the snapshot plus ``extra``."""
         message = Heartbeat(
             job_id=self.job_id,
             worker_id=self.worker_id,
             role="trainer",
             at=time.time(),
-            info=self._heartbeat(),
+            info={**self._heartbeat(), **extra},
         )
         ack = await self._producer.send(self._control_topic, message, key=self.worker_id)
         ack.add_done_callback(_log_failure)
@@ -110,7 +102,7 @@ class Reporter:
         ack.add_done_callback(_log_failure)
 
     async def publish_event(self, event: str, data: dict[str, Any]) -> None:
-        """Publish a job event and wait until the broker has it (terminal events)."""
+        """Publish a job event and wait until the broker has it."""
         await self._producer.publish(self._jobs_topic, self._event(event, data), key=self.job_id)
 
     def _event(self, event: str, data: dict[str, Any]) -> JobEvent:

@@ -1,69 +1,69 @@
-"""Training one job: restore -> consume -> train / evaluate -> checkpoint -> complete.
+"""Training one job through the aggregator: the trainer's side of the gradient plane.
 
 Reads as the loop it runs::
 
-    restore the latest trainer state (if any); publish "running"
-    while the job is not done:
-        wait for the next ready batch (exposed data wait, measured)
-        classify it: hold (later epoch) | drop (duplicate) | train | evaluate
-        train:    forward/backward; every micro_batches_per_step (or at the epoch's end) update
-        epoch end: snapshot the parameters for the epoch's eval, checkpoint
-        every checkpoint_every_steps: checkpoint
-    final checkpoint; export the model and the ledger; publish "completed"
+    replay the job's control log; publish "running"
+    follow: control log (StepClose, Rejection, EvalResult, Heartbeat) and params topic
+    while training is not over (every epoch ended, or max_steps reached):
+        wait until a step may start (sync: the last contribution is decided; ssp: a new one
+            would likely stay within the staleness bound) and load the newest parameters
+        gather the allocated micro-batches of the current epoch, forward/backward each
+            (eval batches of ended epochs are evaluated on the way, EvalResult per batch)
+        none within empty_contribution_wait_s -> an empty contribution (sync)
+        flat gradient -> K slices -> encode -> send all GradSlices, await acks -> Contribution
+    then evaluate what still comes, until the job is terminal (the service cancels us)
 
-A checkpoint captures the state at a step boundary, writes it in the background and only then
-acknowledges the records whose effect it holds, so a restarted trainer neither loses a batch
-nor counts one twice. Compute runs on one dedicated thread; the event loop stays responsive.
+What the control log says drives everything else (:meth:`JobRunner._on_control`): a StepClose
+acknowledges the batches it lists and decides this trainer's contributions; a Rejection sends
+the batches back to be recomputed on newer parameters; an epoch that ended releases the held
+batches of the next one and its eval batches. The trainer keeps no training state: the
+aggregator shards hold parameters and optimizer state, the control log holds what is applied.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 import torch
 from opentelemetry import trace
-from opentelemetry.trace import Link
+from torch import nn
 
-from conveyor.libs.bus import Consumer, Producer, Received
+from conveyor.libs.bus import Consumer, Producer, Received, Tailed, TopicTail
 from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import Topics
-from conveyor.libs.storage import ObjectStore
-from conveyor.services.trainer.checkpointing import Checkpointer
+from conveyor.libs.messages import EvalResult, ParamSlice, StepClose
+from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
 from conveyor.services.trainer.compute import MicroResult
 from conveyor.services.trainer.config import TrainerSettings
+from conveyor.services.trainer.control import Applied, ControlState, Outcome
+from conveyor.services.trainer.figures import Figures
 from conveyor.services.trainer.input import TRACER_NAME, DeviceCopier, Prefetcher, ReadyBatch
-from conveyor.services.trainer.ledger import Ledger
-from conveyor.services.trainer.loop import Disposition, Schedule, ScheduleState
-from conveyor.services.trainer.metrics import TrainerMetrics, open_gpu_probe
+from conveyor.services.trainer.metrics import TrainerMetrics
+from conveyor.services.trainer.params import ParamAssembler
 from conveyor.services.trainer.reporting import Reporter
+from conveyor.services.trainer.sending import ContributionSender
 from conveyor.services.trainer.session import JobFailed, JobSession
-from conveyor.services.trainer.state import (
-    StateStore,
-    TrainerCheckpoint,
-    capture_tensors,
-    restore_tensors,
-)
-from conveyor.services.trainer.summary import build_summary, export_model, write_ledger
-from conveyor.services.trainer.tally import JobTally
-from conveyor.services.trainer.timing import StageLatencies, WaitMeter
+from conveyor.services.trainer.snapshots import EpochSnapshots
+from conveyor.services.trainer.steps import Outstanding, Pending
+from conveyor.services.trainer.wakeup import Signal
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
+_FOLLOW_POLL_S = 0.5
+_EVAL_ONLY_POLL_S = 1.0
+
 
 class JobRunner:
-    """Trains one job to its end; single use. ``run()`` returns the summary.
+    """Trains one job until cancelled (the service cancels it when the job is terminal).
 
-    Raises :class:`JobFailed` when the job cannot go on, ``BusError``/``StorageError`` when
-    the broker or the store failed (retriable ones: rejoin and resume from the checkpoint).
+    Raises :class:`JobFailed` when the job cannot go on, ``BusError`` when the broker failed
+    (retriable ones: the service rejoins after a backoff).
     """
 
     def __init__(
@@ -73,7 +73,6 @@ class JobRunner:
         settings: TrainerSettings,
         kafka: KafkaSettings,
         producer: Producer,
-        store: ObjectStore,
         metrics: TrainerMetrics,
         compute_executor: Executor,
         copy_executor: Executor,
@@ -82,71 +81,82 @@ class JobRunner:
         self.settings = settings
         self._kafka = kafka
         self._producer = producer
-        self._store = store
         self.metrics = metrics
         self._compute_executor = compute_executor
         self._copy_executor = copy_executor
-        plan, spec = session.plan, session.spec
-        self.schedule: Schedule[ReadyBatch] = Schedule(
+        spec, plan = session.spec, session.plan
+        self.control = ControlState(
+            worker_id=settings.worker_id,
             epochs=spec.training.epochs,
             train_batches_per_epoch=plan.train_batches_per_epoch,
             eval_batches_per_epoch=plan.eval_batches_per_epoch,
+            member_timeout_s=settings.member_timeout_s,
         )
-        self.tally = JobTally()
-        self.ledger = Ledger(plan.num_train + plan.num_eval)
-        self.checkpointer = Checkpointer(
-            StateStore(store, session.job_id, keep_last=settings.keep_states), metrics
+        self.params = ParamAssembler(session.bounds)
+        self.book: BatchBook[ReadyBatch] = BatchBook(epochs=spec.training.epochs)
+        self.acks: AckBook[Received] = AckBook(self._ack)
+        self.outstanding: Outstanding[ReadyBatch] = Outstanding(
+            mode=spec.distribution.mode, staleness=spec.distribution.staleness
         )
-        self.meter = WaitMeter(window_s=settings.rate_window_s)
-        self.stages = StageLatencies(window=settings.stage_window)
-        self._snapshots: dict[int, torch.nn.Module] = {}
-        self._step_batches: list[ReadyBatch] = []
-        self._step_loss_sum = 0.0
-        self._last_loss: float | None = None
+        self.sender = ContributionSender(
+            producer, session, worker_id=settings.worker_id, tracer=trace.get_tracer(TRACER_NAME)
+        )
+        self.figures = Figures(settings, metrics, session.device)
+        self.tally, self.meter = self.figures.tally, self.figures.meter
+        self.signal = Signal()
+        self.loaded_version: int | None = None
+        self.snapshots = EpochSnapshots(session, kafka, self._build_snapshot, self._params_reached)
+        self._undo: list[list[torch.Tensor]] = []
+        """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._consumer: Consumer | None = None
         self._prefetch: Prefetcher | None = None
-        self._waiting = False
-        self._gpu = open_gpu_probe(session.device)
+        self._waited_once = False
+        self._assigned: frozenset[tuple[str, int]] = frozenset()
         self._tracer = trace.get_tracer(TRACER_NAME)
         self.reporter = Reporter(
             producer,
-            jobs_topic=Topics(kafka.topic_prefix).jobs,
+            jobs_topic=session.topics.jobs,
             control_topic=plan.control_topic,
             job_id=session.job_id,
             worker_id=settings.worker_id,
             progress_interval_s=settings.progress_interval_s,
             heartbeat_interval_s=settings.heartbeat_interval_s,
-            lead_batches=spec.flow.max_lead_batches,
             progress=self.progress,
             heartbeat=self.heartbeat,
-            waiting=lambda: self._waiting,
         )
 
     # -- the job ------------------------------------------------------------------------------
 
-    async def run(self) -> dict[str, Any]:
-        await self._restore()
-        await self.reporter.publish_event("running", {"worker_id": self.settings.worker_id})
-        session = self.session
-        async with Consumer(
-            self._kafka,
-            [session.plan.batches_topic],
-            group_id=session.group_id,
-            max_in_flight=session.max_in_flight,
-            dead_letter_producer=self._producer,
-        ) as consumer:
-            self._consumer = self.checkpointer.consumer = consumer
-            try:
-                await self._consume(consumer)
-                await self._checkpoint()
-            finally:
-                # Also on a stop: the write in flight finishes and its acks are committed.
-                await self.checkpointer.settle()
-                self.checkpointer.consumer = None
-        return await self._complete()
+    async def run(self) -> None:
+        session, kafka = self.session, self._kafka
+        async with (
+            TopicTail(kafka, session.plan.control_topic) as control_tail,
+            TopicTail(kafka, session.params_topic, start="last") as params_tail,
+        ):
+            while not control_tail.caught_up:  # replay: what is applied, where epochs ended
+                self._on_control(await control_tail.get_many(_FOLLOW_POLL_S))
+            self.sender.next_sequence = self.control.last_sequence + 1
+            logger.info(
+                "job %s: joined at version %d (epoch %d)",
+                session.job_id, self.control.version, self.control.current_epoch,
+            )  # fmt: skip
+            await self.reporter.publish_event("running", {"worker_id": self.settings.worker_id})
+            async with Consumer(
+                kafka,
+                [session.plan.batches_topic],
+                group_id=session.group_id,
+                max_in_flight=session.max_in_flight,
+                dead_letter_producer=self._producer,
+            ) as consumer:
+                self._consumer = consumer
+                try:
+                    await self._serve(consumer, control_tail, params_tail)
+                finally:
+                    self._consumer = None
+                    await self._leave()
 
-    async def _consume(self, consumer: Consumer) -> None:
-        prefetch = Prefetcher(
+    async def _serve(self, consumer: Consumer, control: TopicTail, params: TopicTail) -> None:
+        prefetch = self._prefetch = Prefetcher(
             consumer,
             DeviceCopier(self.session.device),
             job_id=self.session.job_id,
@@ -155,171 +165,309 @@ class JobRunner:
             reject=self._reject,
             executor=self._copy_executor,
         )
-        self._prefetch = prefetch
         try:
             async with asyncio.TaskGroup() as group:
-                fetching = group.create_task(prefetch.run(), name="trainer.prefetch")
-                reporting = group.create_task(self.reporter.run(), name="trainer.report")
-                await self._loop(prefetch)
-                fetching.cancel()
-                reporting.cancel()
+                tasks = [
+                    group.create_task(prefetch.run(), name="trainer.prefetch"),
+                    group.create_task(self.reporter.run(), name="trainer.report"),
+                    group.create_task(self._follow(control, self._on_control), name="control"),
+                    group.create_task(self._follow(params, self._on_params), name="params"),
+                ]
+                await self._train()
+                await self._evaluate_until_cancelled()
+                for task in tasks:
+                    task.cancel()
         except BaseExceptionGroup as failed:
             if len(failed.exceptions) == 1:  # the failing task's own exception, not a group
                 raise failed.exceptions[0] from None
             raise
 
-    def _finished(self) -> bool:
+    async def _leave(self) -> None:
+        """Tell the coordinator at once that this member is gone (not after its timeout)."""
+        try:
+            await self.reporter.send_heartbeat(leaving=True)
+        except Exception as exc:  # leaving anyway; the member timeout covers it
+            logger.info("job %s: no leaving heartbeat: %s", self.session.job_id, exc)
+
+    def _training_over(self) -> bool:
+        """Every epoch ended, or ``max_steps`` reached: the coordinator caps the version (what
+        every trainer sees in the StepCloses, so all stop at the same point)."""
         max_steps = self.session.spec.training.max_steps
-        return self.schedule.done or (max_steps is not None and self.tally.step >= max_steps)
+        if max_steps is not None and self.control.version >= max_steps:
+            return True
+        return self.control.train_done
 
-    async def _loop(self, prefetch: Prefetcher) -> None:
-        first = True
-        while not self._finished():
-            if prefetch.empty():
-                self._waiting = True  # the reporter now sends consumed counts promptly
-                await self._relieve_backpressure()
-            item, wait_s = await prefetch.get()
-            self._waiting = False
-            if not first:  # the wait for the job's very first batch is start-up, not starvation
-                self.meter.add(wait_s=wait_s)
-                self.metrics.data_wait.observe(wait_s)
-            first = False
-            await self._handle(item)
-            self.metrics.held_batches.set(self.schedule.held)
-            self.metrics.ready_batches.set(prefetch.qsize())
+    # -- following the logs -------------------------------------------------------------------
 
-    async def _handle(self, item: ReadyBatch) -> None:
-        work = deque([item])
-        while work and not self._finished():
-            batch = work.popleft()
-            disposition = self.schedule.classify(batch.batch_id, batch.epoch, batch.split)
-            if disposition is Disposition.HOLD:
-                self.schedule.hold(batch.batch_id, batch.epoch, batch.split, batch)
-            elif disposition is Disposition.TRAIN:
-                if await self._train_batch(batch):
-                    await self._close_train_epoch()
-                    work.extend(self.schedule.take_ready())
-            elif disposition is Disposition.EVAL:
-                await self._eval_batch(batch)
-            else:
-                self._drop(batch, disposition)
+    async def _follow(self, tail: TopicTail, handle: Callable[[list[Tailed]], None]) -> None:
+        while True:
+            records = await tail.get_many(_FOLLOW_POLL_S)
+            if records:
+                handle(records)
 
-    # -- batches ------------------------------------------------------------------------------
+    def _on_control(self, records: list[Tailed]) -> None:
+        control = self.control
+        for record in records:
+            message = record.message
+            control.apply(message)
+            if isinstance(message, StepClose | EvalResult):
+                self.acks.done(message.batch_ids)
+                self.book.finish(message.batch_ids)
+        for pending, outcome in self.outstanding.resolve(control):
+            self._decided(pending, outcome)
+        self.book.release(control)
+        self._keep_epoch_params()
+        self.snapshots.drop_done(control)
+        self.signal.fire()
 
-    async def _train_batch(self, batch: ReadyBatch) -> bool:
-        """Forward/backward one micro-batch; update when the step is full. True at epoch end."""
-        result = await self._compute(self.session.engine.accumulate, batch.x, batch.y, span=batch)
-        self._batch_done(batch, result)
-        self.ledger.add(batch.epoch, batch.sample_ids)
-        tally = self.tally
-        tally.epoch_loss_sum += result.loss_sum
-        tally.epoch_samples += result.samples
-        tally.consumed_batches += 1
-        tally.consumed_train_batches += 1
-        self._step_batches.append(batch)
-        self._step_loss_sum += result.loss_sum
-        epoch_closed = self.schedule.mark_trained(batch.batch_id)
-        if epoch_closed or len(self._step_batches) >= self.session.micro_batches_per_step:
-            await self._apply_step(epoch_closed=epoch_closed)
-        return epoch_closed
+    def _on_params(self, records: list[Tailed]) -> None:
+        for record in records:
+            if isinstance(record.message, ParamSlice):
+                try:
+                    self.params.add(record.message)
+                except ValueError as exc:
+                    raise JobFailed(f"parameters on {record.topic} do not fit: {exc}") from exc
+        self._keep_epoch_params()
+        self.signal.fire()
 
-    async def _apply_step(self, *, epoch_closed: bool) -> None:
-        batches, self._step_batches = self._step_batches, []
-        loss_sum, self._step_loss_sum = self._step_loss_sum, 0.0
-        samples = sum(batch.samples for batch in batches)
-        started_ns = time.time_ns()
-        update_s = await self._compute(self.session.updater.apply, samples)
-        tally = self.tally
-        tally.step += 1
-        tally.samples_trained += samples
-        tally.update_s += update_s
-        self.meter.add(compute_s=update_s)
-        self._last_loss = loss_sum / samples
-        for batch in batches:
-            self.checkpointer.hold(batch.received)
-        # A step is a fan-in of batches: its span links to each batch's trace.
-        self._tracer.start_span(
-            "step",
-            links=[Link(batch.span.get_span_context()) for batch in batches],
-            start_time=started_ns,
-            attributes={"conveyor.step": tally.step, "conveyor.samples": samples},
-        ).end()
-        self.metrics.steps.inc()
-        self.metrics.samples.inc(samples)
-        self.metrics.step_time.observe(update_s)
-        if not epoch_closed and tally.step % self.session.checkpoint_every_steps == 0:
-            await self._checkpoint()
+    def _keep_epoch_params(self) -> None:
+        """Keep the newest complete parameters if they are an epoch's end-of-epoch version
+        (also once training is over, when the last versions are no longer loaded)."""
+        if self.params.version is not None and self.params.flat is not None:
+            self.snapshots.keep(self.params.version, self.params.flat, self.control)
 
-    async def _close_train_epoch(self) -> None:
-        epoch = self.schedule.train_epoch
-        with_eval = self.session.plan.eval_batches_per_epoch > 0
-        if with_eval:
-            self._snapshots[epoch] = await self._compute(self.session.engine.snapshot)
-        self.schedule.close_train_epoch()
-        self.tally.close_train_epoch(epoch, with_eval=with_eval)
-        if not with_eval:
-            await self._epoch_completed(epoch)
-        await self._checkpoint()
-        self.reporter.request_progress()
-        logger.info(
-            "job %s: epoch %d trained (step %d)", self.session.job_id, epoch, self.tally.step
-        )
-
-    async def _eval_batch(self, batch: ReadyBatch) -> None:
-        snapshot = self._snapshots[batch.epoch]
-        engine = self.session.engine
-        result = await self._compute(engine.evaluate, snapshot, batch.x, batch.y, span=batch)
-        self._batch_done(batch, result)
-        self.tally.evals[batch.epoch].add(result.loss_sum, result.correct, result.samples)
-        self.tally.consumed_batches += 1
-        self.checkpointer.hold(batch.received)
-        if self.schedule.mark_evaluated(batch.epoch, batch.batch_id):
-            self.tally.close_eval(batch.epoch)
-            del self._snapshots[batch.epoch]
-            await self._epoch_completed(batch.epoch)
-
-    async def _epoch_completed(self, epoch: int) -> None:
-        results = self.tally.results[epoch]
-        await self.reporter.send_event("epoch_completed", {"epoch": epoch, **results})
-        self.reporter.request_progress()
-        logger.info("job %s: epoch %d completed: %s", self.session.job_id, epoch, results)
-
-    def _batch_done(self, batch: ReadyBatch, result: MicroResult) -> None:
-        batch.timestamps["compute_end"] = time.time()
-        self.stages.add_batch(batch.timestamps, result.compute_s)
-        train = batch.split == "train"
-        self.meter.add(compute_s=result.compute_s, samples=result.samples if train else 0)
-        self.metrics.compute.observe(result.compute_s)
-        self.metrics.batches.labels(split=batch.split, outcome="done").inc()
-        batch.span.end()
-
-    def _drop(self, batch: ReadyBatch, disposition: Disposition) -> None:
-        # No effect, but acknowledged only with the next checkpoint, like everything else.
-        self.checkpointer.hold(batch.received)
-        if disposition is Disposition.DUPLICATE:
-            self.tally.duplicates += 1
+    def _decided(self, pending: Pending[ReadyBatch], outcome: Outcome) -> None:
+        if isinstance(outcome, Applied):
+            outcome_name = "applied" if pending.batches else "empty"
+            self.tally.applied(
+                samples=pending.num_samples, batches=len(pending.batches), loss_sum=pending.loss_sum
+            )
+            self.metrics.samples.inc(pending.num_samples)
         else:
+            outcome_name = "rejected"
+            self.tally.rejected += 1
+            logger.info(
+                "job %s: contribution %s rejected (%s); recomputing its batches",
+                self.session.job_id, pending.contribution_id, outcome.reason,
+            )  # fmt: skip
+            # Batches applied elsewhere meanwhile are dropped (acknowledged by their close).
+            self.book.requeue(pending.batches, self.control)
+            if pending.feedback_delta is not None:
+                self._undo.append(pending.feedback_delta)
+        self.metrics.contributions.labels(outcome=outcome_name).inc()
+
+    # -- training -----------------------------------------------------------------------------
+
+    async def _train(self) -> None:
+        first = True
+        while not self._training_over():
+            started = time.perf_counter()
+            await self.signal.wait_for(lambda: self._may_start() or self._training_over())
+            if self._training_over():
+                break
+            await self._load_newest()
+            # The first wait is for the job's first parameters: start-up, not the plane's cost.
+            param_wait_s = 0.0 if first else time.perf_counter() - started
+            first = False
+            self.meter.add(sync_s=param_wait_s)
+            await self._step(param_wait_s)
+        logger.info(
+            "job %s: training over at version %d; evaluating until the job ends",
+            self.session.job_id, self.control.version,
+        )  # fmt: skip
+        self.reporter.request_progress()
+
+    def _may_start(self) -> bool:
+        """Sync: the last contribution is decided. Bounded staleness: at most ``s`` of this
+        trainer's contributions are outstanding, and a new one would likely not arrive staler
+        than ``s``: versions not loaded yet + contributions on the log waiting for their
+        decision (every trainer's) stay within ``s`` (else it would mostly be rejected)."""
+        outstanding = self.outstanding
+        if not outstanding.can_start or outstanding.mode == "sync":
+            return outstanding.can_start
+        control, newest = self.control, self.params.version or 0
+        ahead = max(0, control.version - newest)
+        waiting = max(control.undecided(time.time()), len(outstanding))
+        return ahead + waiting <= outstanding.staleness
+
+    async def _load_newest(self) -> None:
+        """Load the newest parameters whose StepClose has been folded (so epoch ends up to it
+        are known); sync mode: the latest closed version exactly."""
+        control, params = self.control, self.params
+        if self.outstanding.mode == "sync":
+            await self.signal.wait_for(lambda: params.version == control.version)
+        else:
+            await self.signal.wait_for(
+                lambda: params.version is not None and params.version <= control.version
+            )
+        version, flat = params.version, params.flat
+        assert version is not None and flat is not None
+        undo, self._undo = self._undo, []
+        for delta in undo:
+            await self._compute(self.session.engine.encoder.undo, delta)
+        if version == self.loaded_version:
+            return
+        load_s = await self._compute(self.session.engine.load, flat)
+        self.meter.add(compute_s=load_s)
+        self.loaded_version = version
+        self.metrics.version.set(version)
+        self.snapshots.keep(version, flat, control)
+
+    async def _step(self, param_wait_s: float) -> None:
+        """Gather, compute and send one contribution on the loaded version."""
+        engine, base = self.session.engine, self.loaded_version
+        assert base is not None
+        wanted = self.control.micro_batches_for(
+            self.session.spec.micro_batches_per_step, time.time()
+        )
+        batches, results, wait_s = await self._gather(wanted)
+        if not batches:
+            if self.outstanding.mode == "sync" and not self._training_over():
+                pending = await self.sender.send_empty(base)
+                self.outstanding.add(pending)
+                self.tally.empty_contributions += 1
+            return
+        encoded, encode_s = await self._compute(engine.gradient)
+        pending, grad_send_s = await self.sender.send(base, batches, results, encoded)
+        self.outstanding.add(pending)
+        self.tally.contributions += 1
+        self.tally.grad_bytes += encoded.nbytes
+        compute_s = sum(r.compute_s for r in results) + encode_s
+        self.meter.add(compute_s=encode_s, sync_s=grad_send_s)
+        self.figures.step_times.add(
+            data_wait=wait_s,
+            h2d=sum(b.h2d_s for b in batches),
+            compute=compute_s,
+            grad_send=grad_send_s,
+            param_wait=param_wait_s,
+        )
+        self.metrics.grad_bytes.inc(encoded.nbytes)
+        self.metrics.grad_send.observe(grad_send_s)
+        self.metrics.param_wait.observe(param_wait_s)
+
+    async def _gather(self, wanted: int) -> tuple[list[ReadyBatch], list[MicroResult], float]:
+        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
+        stops early when none arrives within ``empty_contribution_wait_s``."""
+        batches: list[ReadyBatch] = []
+        results: list[MicroResult] = []
+        wait_s = 0.0
+        while len(batches) < wanted and not self._training_over():
+            self._drop_revoked()
+            await self._evaluate_ready()
+            item, dropped = self.book.next_train(self.control)
+            self.figures.batches_dropped(dropped, "applied elsewhere")
+            if item is None:
+                received, waited = await self._receive(self.settings.empty_contribution_wait_s)
+                wait_s += waited
+                if not received:
+                    break
+                continue
+            result = await self._compute(self.session.engine.accumulate, item.x, item.y, span=item)
+            self.figures.batch_done(item, result)
+            batches.append(item)
+            results.append(result)
+        return batches, results, wait_s
+
+    async def _receive(
+        self, timeout_s: float | None, *, count_wait: bool = True
+    ) -> tuple[bool, float]:
+        """Take one delivered batch and place it; (False, waited) when none came in time."""
+        prefetch = self._prefetch
+        assert prefetch is not None
+        item, waited = await prefetch.get(timeout_s)
+        if count_wait and self._waited_once:  # the wait for the very first batch is start-up
+            self.meter.add(wait_s=waited)
+            self.metrics.data_wait.observe(waited)
+        self._waited_once = True
+        if item is None:
+            return False, waited
+        self._admit(item)
+        self.metrics.held_batches.set(self.book.held)
+        self.metrics.ready_batches.set(prefetch.qsize())
+        return True, waited
+
+    def _drop_revoked(self) -> None:
+        """Drop the waiting batches of partitions this trainer no longer owns: their new owner
+        gets them again (were they trained here too, one of the two would be rejected)."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        assigned = consumer.assignment()
+        if assigned == self._assigned:
+            return
+        self._assigned = assigned
+        dropped = self.book.forget_if(
+            lambda item: (item.received.topic, item.received.partition) not in assigned
+        )
+        self.acks.discard(item.batch_id for item in dropped)
+        self.figures.batches_dropped(dropped, "revoked")
+
+    def _admit(self, item: ReadyBatch) -> None:
+        self._drop_revoked()
+        if (item.received.topic, item.received.partition) not in self._assigned:
+            # Fetched before its partition moved (it sat in the prefetch queue): the new owner
+            # has it; an ack of it would be ignored anyway.
+            self.figures.batches_dropped([item], "revoked")
+            return
+        disposition = self.book.admit(item, self.control)
+        if disposition in (Disposition.DONE, Disposition.INVALID):
+            self._ack(item.received)
+        else:
+            self.acks.add(item.batch_id, item.received)
+        if disposition in (Disposition.DONE, Disposition.COPY):
+            self.tally.duplicates += 1
+        if disposition is Disposition.INVALID:
             logger.warning(
                 "job %s: dropping batch %s of epoch %d (outside the job)",
-                self.session.job_id,
-                batch.batch_id,
-                batch.epoch,
+                self.session.job_id, item.batch_id, item.epoch,
+            )  # fmt: skip
+        if disposition in (Disposition.DONE, Disposition.COPY, Disposition.INVALID):
+            self.figures.batches_dropped([item], disposition.value)
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    async def _evaluate_until_cancelled(self) -> None:
+        while True:
+            await self._evaluate_ready()
+            await self._receive(_EVAL_ONLY_POLL_S, count_wait=False)
+
+    async def _evaluate_ready(self) -> None:
+        """Evaluate the queued eval batches of ended epochs; one EvalResult per batch (the
+        batch is acknowledged once an EvalResult covering it is on the control log)."""
+        while True:
+            item, dropped = self.book.next_eval(self.control)
+            self.figures.batches_dropped(dropped, "evaluated elsewhere")
+            if item is None:
+                return
+            model = await self.snapshots.model(item.epoch, self.control)
+            result = await self._compute(
+                self.session.engine.evaluate, model, item.x, item.y, span=item
             )
-        batch.span.set_attribute("conveyor.outcome", disposition.value)
-        batch.span.end()
-        self.metrics.batches.labels(split=batch.split, outcome=disposition.value).inc()
+            self.figures.batch_done(item, result)
+            await self.sender.send_eval(item, result, version=self.control.epoch_end[item.epoch])
+            self.tally.eval_batches += 1
+
+    async def _params_reached(self, version: int) -> None:
+        params = self.params
+        await self.signal.wait_for(lambda: params.version is not None and params.version >= version)
+
+    async def _build_snapshot(self, flat: torch.Tensor) -> nn.Module:
+        return await self._compute(self.session.engine.snapshot, flat)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _ack(self, received: Received) -> None:
+        consumer = self._consumer
+        if consumer is not None:
+            consumer.ack(received)
 
     def _reject(self, received: Received, reason: str) -> None:
         logger.warning(
             "job %s: skipping record %s[%d]@%d: %s",
-            self.session.job_id,
-            received.topic,
-            received.partition,
-            received.offset,
-            reason,
-        )
+            self.session.job_id, received.topic, received.partition, received.offset, reason,
+        )  # fmt: skip
         self.metrics.rejected.inc()
-        self.checkpointer.hold(received)
+        self._ack(received)
 
     async def _compute(self, fn: Callable[..., R], *args: Any, span: ReadyBatch | None = None) -> R:
         """Run ``fn`` on the compute thread; a failure there fails the job."""
@@ -334,154 +482,20 @@ class JobRunner:
             self._tracer.start_span("compute", context=parent, start_time=started_ns).end()
         return result
 
-    # -- checkpoints --------------------------------------------------------------------------
-
-    async def _relieve_backpressure(self) -> None:
-        """Checkpoint early when unacknowledged records have paused the consumer (they are
-        acknowledged only by a checkpoint, so waiting for data would wait forever)."""
-        consumer = self._consumer
-        if (
-            consumer is not None
-            and consumer.in_flight >= self.session.max_in_flight
-            and self.checkpointer.held
-            and not self._step_batches
-        ):
-            logger.info("job %s: consumer full, checkpointing early", self.session.job_id)
-            await self._checkpoint()
-
-    async def _checkpoint(self) -> None:
-        """Capture the state at this step boundary and write it in the background; the records
-        it covers are acknowledged once it is durable."""
-        assert not self._step_batches, "checkpoints are taken between steps"
-        self.tally.wait_s, self.tally.compute_s = self.meter.wait_s, self.meter.compute_s
-        meta = {
-            "job_id": self.session.job_id,
-            "worker_id": self.settings.worker_id,
-            "saved_at": time.time(),
-            "schedule": self.schedule.state.to_json(),
-            "tally": self.tally.to_json(),
-        }
-        session = self.session
-        tensors, meta["optimizer"] = await self._compute(
-            capture_tensors, session.model, session.optimizer, self._snapshots, self.ledger
-        )
-        await self.checkpointer.save(
-            TrainerCheckpoint(step=self.tally.step, tensors=tensors, meta=meta)
-        )
-
-    async def _restore(self) -> None:
-        checkpoint = await asyncio.to_thread(self.checkpointer.states.load_latest)
-        if checkpoint is None:
-            return
-        session, meta = self.session, checkpoint.meta
-        try:
-            schedule = ScheduleState.from_json(meta["schedule"])
-            tally = JobTally.from_json(meta["tally"])
-            self._snapshots = await asyncio.get_running_loop().run_in_executor(
-                self._compute_executor,
-                functools.partial(
-                    restore_tensors,
-                    checkpoint,
-                    session.model,
-                    session.optimizer,
-                    snapshot_epochs=list(schedule.eval_open),
-                    make_snapshot=session.engine.snapshot,
-                ),
-            )
-        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-            raise JobFailed(f"trainer state of step {checkpoint.step} is unusable: {exc}") from exc
-        self.schedule.state = schedule
-        self.tally = tally
-        self.ledger = Ledger.from_tensors(self.ledger.size, checkpoint.tensors)
-        self.meter.wait_s, self.meter.compute_s = tally.wait_s, tally.compute_s
-        self.meter.samples = tally.samples_trained
-        logger.info(
-            "job %s: resumed from the trainer state of step %d (epoch %d)",
-            session.job_id, checkpoint.step, schedule.train_epoch,
-        )  # fmt: skip
-
-    # -- the end ------------------------------------------------------------------------------
-
-    async def _complete(self) -> dict[str, Any]:
-        session = self.session
-
-        def export() -> str:
-            write_ledger(self._store, session.job_id, self.ledger)
-            return export_model(
-                self._store, session.job_id, session.model, spec=session.spec,
-                num_classes=session.plan.num_classes, sample_shape=session.plan.sample_shape,
-                step=self.tally.step,
-            )  # fmt: skip
-
-        model_uri = await asyncio.get_running_loop().run_in_executor(self._compute_executor, export)
-        result = self.tally.last_result()
-        busy_s = self.meter.wait_s + self.meter.compute_s
-        summary = build_summary(
-            job_id=session.job_id,
-            epochs=self.schedule.epochs_completed,
-            steps=self.tally.step,
-            samples=self.tally.samples_trained,
-            eval_accuracy=result["eval_accuracy"],
-            eval_loss=result["eval_loss"],
-            samples_per_second=self.tally.samples_trained / busy_s if busy_s > 0 else 0.0,
-            data_wait_ratio=self.meter.ratio,
-            checkpoint=model_uri,
-        )
-        await self.reporter.send_event(
-            "progress", {"worker_id": self.settings.worker_id, **self.progress()}
-        )
-        await self.reporter.publish_event("completed", {"summary": summary})
-        logger.info("job %s: completed: %s", session.job_id, summary)
-        return summary
-
     # -- reports ------------------------------------------------------------------------------
 
     def progress(self) -> dict[str, Any]:
-        """The data of a ``progress`` event (worker_id is added by the reporter)."""
-        recent_ratio, recent_rate = self.meter.recent()
-        tally = self.tally
-        return {
-            "epoch": self.schedule.train_epoch,
-            "step": tally.step,
-            "samples_trained": tally.samples_trained,
-            "batches_consumed": tally.consumed_batches,
-            "consumed_batches": tally.consumed_batches,
-            "consumed_train_batches": tally.consumed_train_batches,
-            "duplicates": tally.duplicates,
-            "held_batches": self.schedule.held,
-            "loss": self._last_loss,
-            "samples_per_second": recent_rate,
-            "data_wait_ratio": recent_ratio,
-            "data_wait_ratio_job": self.meter.ratio,
-            "stage_latency_s": self.stages.percentile(50),
-            "stage_latency_p95_s": self.stages.percentile(95),
-        }
+        return self.figures.progress(epoch=self.control.current_epoch, version=self.loaded_version)
 
     def heartbeat(self) -> dict[str, Any]:
-        """The ``info`` of a heartbeat: throughput, per-step time breakdown, queues, GPU."""
-        recent_ratio, recent_rate = self.meter.recent()
-        steps = max(1, self.tally.step)
-        info: dict[str, Any] = {
-            "device": str(self.session.device),
-            "epoch": self.schedule.train_epoch,
-            "step": self.tally.step,
-            "samples_per_second": recent_rate,
-            "data_wait_ratio": recent_ratio,
-            "step_time_s": {
-                "data_wait": self.meter.wait_s / steps,
-                "compute": (self.meter.compute_s - self.tally.update_s) / steps,
-                "update": self.tally.update_s / steps,
-            },
-            "ready_batches": self._prefetch.qsize() if self._prefetch is not None else 0,
-            "held_batches": self.schedule.held,
-            "in_flight": self._consumer.in_flight if self._consumer is not None else 0,
+        prefetch, consumer = self._prefetch, self._consumer
+        queues = {
+            "outstanding": len(self.outstanding),
+            "ready_batches": prefetch.qsize() if prefetch is not None else 0,
+            "queued_batches": self.book.queued_train,
+            "held_batches": self.book.held,
+            "in_flight": consumer.in_flight if consumer is not None else 0,
         }
-        if self._gpu is not None:
-            reading = self._gpu.read()
-            self.metrics.set_gpu(reading)
-            info["gpu"] = reading
-            info["gpu"]["torch_allocated_bytes"] = torch.cuda.memory_allocated(self.session.device)
-        if recent_ratio is not None:
-            self.metrics.data_wait_ratio.set(recent_ratio)
-        self.metrics.samples_per_second.set(recent_rate)
-        return info
+        return self.figures.heartbeat(
+            epoch=self.control.current_epoch, version=self.loaded_version, queues=queues
+        )

@@ -2,11 +2,12 @@
 
 Lifecycle (``run``): wait for the jobs topic, replay it (``/readyz`` turns 200 once caught up),
 then loop: take the oldest joinable job, build its model (a job that cannot be built is
-``failed``), train it with a :class:`JobRunner` while watching for a cancel request or a
-terminal state (then stop, leave the group, publish ``cancelled`` for a cancel), and go back
-to waiting. A retriable broker or storage failure rejoins the job after a backoff (it resumes
-from its trainer-state checkpoint); any other unexpected error crashes the process so that its
-supervisor restarts it. A stop (SIGTERM) lets the checkpoint being written finish.
+``failed``), train it with a :class:`JobRunner` until the job turns terminal (the coordinator
+publishes ``completed``) or a cancel is requested (then stop, leave the group, publish
+``cancelled``), and go back to waiting. A retriable broker failure rejoins the job after a
+backoff (nothing is lost: the trainer holds no training state, and unacknowledged batches are
+redelivered); any other unexpected error crashes the process so that its supervisor restarts
+it. A stop (SIGTERM) leaves the job (a ``leaving`` heartbeat tells the coordinator).
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from conveyor.libs.bus import BusError, Producer
-from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.libs.config import KafkaSettings, TelemetrySettings
 from conveyor.libs.jobview import JobView
 from conveyor.libs.messages import JobEvent, Topics
 from conveyor.libs.service import Service
-from conveyor.libs.storage import open_store
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.jobwatch import JobWatcher
 from conveyor.services.trainer.metrics import TrainerMetrics
@@ -44,20 +43,16 @@ class TrainerService(Service):
         *,
         settings: TrainerSettings,
         kafka: KafkaSettings,
-        storage: StorageSettings,
         telemetry: TelemetrySettings,
     ) -> None:
         super().__init__(telemetry=telemetry, drain_timeout_s=settings.drain_timeout_s)
         self.settings = settings
         self.kafka = kafka
-        self.storage = storage
         self.topics = Topics(kafka.topic_prefix)
         self.metrics = TrainerMetrics()
-        self.last_summary: dict[str, Any] | None = None
-        """Summary of the last job this process completed."""
         self._watcher: JobWatcher | None = None
         self._finished: set[str] = set()
-        self._job_task: asyncio.Task[dict[str, Any]] | None = None
+        self._job_task: asyncio.Task[None] | None = None
         self._current_job: str | None = None
 
     @property
@@ -88,7 +83,8 @@ class TrainerService(Service):
             copy.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self) -> None:
-        # Cancelling the job lets its runner finish the checkpoint being written.
+        # Cancelling the job makes its runner leave it (acked batches committed, the rest are
+        # redelivered to the other trainers).
         task = self._job_task
         if task is not None and not task.done():
             task.cancel()
@@ -115,21 +111,17 @@ class TrainerService(Service):
         logger.info("joining job %s (%s)", job_id, job.name)
         loop = asyncio.get_running_loop()
         try:
-            session = await loop.run_in_executor(compute, prepare_job, job, self.settings)
+            session = await loop.run_in_executor(
+                compute, prepare_job, job, self.settings, self.topics
+            )
         except JobFailed as exc:
             await self._finish(producer, job_id, "failed", str(exc))
-            return
-        try:
-            store = open_store(session.spec.checkpoint.uri or self.storage.uri, self.storage)
-        except ValueError as exc:  # e.g. an s3:// checkpoint uri without S3 settings
-            await self._finish(producer, job_id, "failed", f"cannot open the object store: {exc}")
             return
         runner = JobRunner(
             session,
             settings=self.settings,
             kafka=self.kafka,
             producer=producer,
-            store=store,
             metrics=self.metrics,
             compute_executor=compute,
             copy_executor=copy,
@@ -149,7 +141,7 @@ class TrainerService(Service):
 
     async def _settle(
         self,
-        task: asyncio.Task[dict[str, Any]],
+        task: asyncio.Task[None],
         watcher: JobWatcher,
         producer: Producer,
         job_id: str,
@@ -164,9 +156,8 @@ class TrainerService(Service):
                 logger.info("left job %s: %s", job_id, reason)
             return  # else: this process is stopping
         exc = task.exception()
-        if exc is None:
+        if exc is None:  # a runner only returns when cancelled; defensive: never rejoin
             self._finished.add(job_id)
-            self.last_summary = task.result()
         elif isinstance(exc, JobFailed):
             await self._finish(producer, job_id, "failed", str(exc))
         elif getattr(exc, "retriable", False):

@@ -1,8 +1,9 @@
-"""Everything a trainer builds when it joins a job: spec, plan, device, model, optimizer.
+"""Everything a trainer builds when it joins a job: spec, plan, topics, device, model, engine.
 
 :func:`prepare_job` is blocking (it builds the model): call it from the compute thread. Any
-problem that no retry can fix (an invalid spec or plan, an unknown model option, no CUDA where
-the job demands it) raises :class:`JobFailed` with a reason for the ``failed`` event.
+problem that no retry can fix (an invalid spec or plan, an unknown model option, a model with
+buffers, no CUDA where the job demands it) raises :class:`JobFailed` with a reason for the
+``failed`` event.
 """
 
 from __future__ import annotations
@@ -17,16 +18,11 @@ from torch import nn
 from conveyor.libs.errors import ConveyorError
 from conveyor.libs.jobspec import JobSpec
 from conveyor.libs.jobview import JobView
-from conveyor.libs.models import build_model
-from conveyor.services.trainer.compute import (
-    Engine,
-    LocalUpdater,
-    Normalizer,
-    apply_resources,
-    build_optimizer,
-    resolve_device,
-)
+from conveyor.libs.messages import Topics
+from conveyor.libs.slicing import ParamLayout, build_job_model
+from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
 from conveyor.services.trainer.config import TrainerSettings
+from conveyor.services.trainer.gradients import SliceEncoder
 from conveyor.services.trainer.jobwatch import JobPlan
 
 
@@ -47,13 +43,14 @@ class JobSession:
     job_id: str
     spec: JobSpec
     plan: JobPlan
+    topics: Topics
     device: torch.device
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    """The trainer's working copy; its parameters are overwritten by every version loaded."""
+    layout: ParamLayout
+    bounds: list[tuple[int, int]]
+    """Slice p of the flat parameters/gradients = ``[start, stop)`` (K = aggregator shards)."""
     engine: Engine
-    updater: LocalUpdater
-    checkpoint_every_steps: int
-    """Steps between trainer-state checkpoints (the spec's, else the trainer's setting)."""
     max_in_flight: int
     """Unacknowledged batches the consumer may hold (see :func:`max_in_flight`)."""
 
@@ -62,35 +59,45 @@ class JobSession:
         return f"conveyor-trainer.{self.job_id}"
 
     @property
-    def micro_batches_per_step(self) -> int:
-        return self.spec.micro_batches_per_step
+    def num_slices(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def grads_topic(self) -> str:
+        return self.topics.grads(self.job_id)
+
+    @property
+    def params_topic(self) -> str:
+        return self.topics.params(self.job_id)
 
 
-def max_in_flight(spec: JobSpec, plan: JobPlan, settings: TrainerSettings, every: int) -> int:
+def max_in_flight(spec: JobSpec, plan: JobPlan, settings: TrainerSettings) -> int:
     """Batches delivered but not yet acknowledged that the trainer must be able to hold.
 
-    A batch is acknowledged once a durable checkpoint holds its effect, so the consumer must
-    hold: two checkpoint intervals (a write may still be in flight when the next interval
-    fills), the lead the sharder may release ahead of what was consumed plus one shard (tasks
-    are released whole), one epoch of eval batches, the prefetch depth and a margin.
+    A batch is acknowledged once the control log shows its effect, so the consumer must hold:
+    what the sharder may release ahead of what was applied (its lead plus one shard: tasks are
+    released whole; later-epoch batches wait here), one epoch of eval batches, the batches of
+    the contributions that may be outstanding (ssp: staleness + 1 of them, plus one being
+    computed), the prefetch depth and a margin.
     """
-    micro = spec.training.micro_batch_size
-    shard_batches = math.ceil(spec.shard_size / micro)
+    shard_batches = math.ceil(spec.shard_size / spec.training.micro_batch_size)
+    staleness = spec.distribution.staleness if spec.distribution.mode == "ssp" else 0
     return (
-        2 * every * spec.micro_batches_per_step
-        + spec.flow.max_lead_batches
+        spec.flow.max_lead_batches
         + shard_batches
         + plan.eval_batches_per_epoch
+        + (staleness + 2) * spec.micro_batches_per_step
         + settings.prefetch_batches
         + settings.in_flight_margin_batches
     )
 
 
-def prepare_job(job: JobView, settings: TrainerSettings) -> JobSession:
-    """Parse the job's spec and plan, set the device up and build model and optimizer.
+def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobSession:
+    """Parse the job's spec and plan, set the device up, build the model and its engine.
 
-    Weights are initialised from ``torch.manual_seed(spec.training.seed)``; a resumed job
-    overwrites them from its checkpoint afterwards. Raises :class:`JobFailed`.
+    The model starts at version 0 (seeded by ``spec.training.seed``), as the aggregator's;
+    the trainer still loads every version, 0 included, from the params topic. Raises
+    :class:`JobFailed`.
     """
     try:
         spec = JobSpec.from_dict(job.spec)
@@ -100,42 +107,33 @@ def prepare_job(job: JobView, settings: TrainerSettings) -> JobSession:
     try:
         device = resolve_device(settings.device or spec.resources.device)
         apply_resources(spec.resources, device)
-        channels, height, width = plan.sample_shape
-        torch.manual_seed(spec.training.seed)
-        options = dict(spec.model.options)
-        # The spec may restate what the dataset already says; it must agree with it.
-        for key, actual in (("num_classes", plan.num_classes), ("in_channels", channels)):
-            stated = options.pop(key, actual)
-            if stated != actual:
-                raise ValueError(f"model.{key} is {stated} but the dataset has {actual}")
-        model = build_model(
-            spec.model.name,
-            in_channels=channels,
-            num_classes=plan.num_classes,
-            image_size=(height, width),
-            **options,
+        model = build_job_model(
+            spec, num_classes=plan.num_classes, sample_shape=plan.sample_shape
         ).to(device)
-        normalizer = Normalizer(spec.preprocess.normalize, channels, device)
-        optimizer = build_optimizer(spec.training.optimizer, list(model.parameters()))
-    except (ValueError, TypeError, RuntimeError) as exc:
-        # TypeError: a model option of the wrong kind; RuntimeError: torch (CUDA OOM, ...).
-        raise JobFailed(f"cannot set up training: {exc}") from exc
-    every = spec.checkpoint.every_steps or settings.checkpoint_every_steps
-    return JobSession(
-        job_id=job.job_id,
-        spec=spec,
-        plan=plan,
-        device=device,
-        model=model,
-        optimizer=optimizer,
-        engine=Engine(
+        layout = ParamLayout.from_model(model)
+        bounds = layout.slice_bounds(spec.distribution.aggregator_shards)
+        normalizer = Normalizer(spec.preprocess.normalize, plan.sample_shape[0], device)
+        engine = Engine(
             model,
             device,
             bf16=spec.training.precision == "bf16",
             normalizer=normalizer,
+            layout=layout,
+            encoder=SliceEncoder(spec.distribution.compression, bounds),
             simulated_delay_s=settings.simulated_step_delay_s,
-        ),
-        updater=LocalUpdater(model, optimizer),
-        checkpoint_every_steps=every,
-        max_in_flight=max_in_flight(spec, plan, settings, every),
+        )
+    except (ValueError, TypeError, RuntimeError) as exc:
+        # TypeError: a model option of the wrong kind; RuntimeError: torch (CUDA OOM, ...).
+        raise JobFailed(f"cannot set up training: {exc}") from exc
+    return JobSession(
+        job_id=job.job_id,
+        spec=spec,
+        plan=plan,
+        topics=topics,
+        device=device,
+        model=model,
+        layout=layout,
+        bounds=bounds,
+        engine=engine,
+        max_in_flight=max_in_flight(spec, plan, settings),
     )

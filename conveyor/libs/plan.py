@@ -13,6 +13,9 @@ size, shard size), so a restarted sharder computes exactly the same plan:
   of a split may be short, and only its last micro-batch).
 - Release sequence: for each epoch, its train shards in order, then its eval shards. Task ``k``
   of the sequence is ``epoch = k // tasks_per_epoch`` and position ``k % tasks_per_epoch``.
+- Batch ids (``<job>:e<epoch>:<split>:<shard index>:b<position>``) name their samples:
+  :func:`parse_batch_id` and :meth:`JobPlan.batch_sample_ids` map one back without a lookup
+  table (the aggregator's ledger, the trainers' epoch bookkeeping).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import shard_id_for
+from conveyor.libs.messages import SPLITS, shard_id_for
 
 Ids = NDArray[np.int64]
 
@@ -45,6 +48,43 @@ class Shard:
     """Global sample ids in batching order."""
     num_batches: int
     """Micro-batches the shard makes (the last one may be short)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRef:
+    """The parts of a batch id."""
+
+    job_id: str
+    epoch: int
+    split: str
+    """``"train"`` or ``"eval"``."""
+    shard_index: int
+    """Index of the shard within the split of the epoch."""
+    position: int
+    """Position of the batch within its shard."""
+
+
+def parse_batch_id(batch_id: str) -> BatchRef:
+    """Split ``<job>:e<epoch>:<split>:<index:05d>:b<position:03d>``; ValueError otherwise."""
+    parts = batch_id.rsplit(":", 4)
+    if len(parts) != 5:
+        raise ValueError(f"not a batch id: {batch_id!r}")
+    job_id, epoch, split, index, position = parts
+    if (
+        not job_id
+        or split not in SPLITS
+        or epoch[:1] != "e"
+        or position[:1] != "b"
+        or not (epoch[1:].isdigit() and index.isdigit() and position[1:].isdigit())
+    ):
+        raise ValueError(f"not a batch id: {batch_id!r}")
+    return BatchRef(
+        job_id=job_id,
+        epoch=int(epoch[1:]),
+        split=split,
+        shard_index=int(index),
+        position=int(position[1:]),
+    )
 
 
 def split_ids(num_samples: int, eval_fraction: float, seed: int) -> tuple[Ids, Ids]:
@@ -158,6 +198,10 @@ class JobPlan:
         return len(self._prefix) - 1
 
     @property
+    def eval_shards_per_epoch(self) -> int:
+        return self.tasks_per_epoch - self.train_shards_per_epoch
+
+    @property
     def train_batches_per_epoch(self) -> int:
         return self._prefix[self.train_shards_per_epoch]
 
@@ -229,6 +273,25 @@ class JobPlan:
             sample_ids=ids.tolist(),
             num_batches=self._prefix[position + 1] - self._prefix[position],
         )
+
+    def batch_sample_ids(self, batch_id: str) -> list[int]:
+        """Sample ids of batch ``batch_id`` of this job, in row order. ValueError for an id of
+        another job or outside the plan."""
+        ref = parse_batch_id(batch_id)
+        if ref.job_id != self.job_id:
+            raise ValueError(f"batch {batch_id!r} is not of job {self.job_id!r}")
+        if not 0 <= ref.epoch < self.epochs:
+            raise ValueError(f"batch {batch_id!r}: epoch outside [0, {self.epochs})")
+        shards = self.train_shards_per_epoch if ref.split == "train" else self.eval_shards_per_epoch
+        if ref.shard_index >= shards:
+            raise ValueError(f"batch {batch_id!r}: no shard {ref.shard_index} in {ref.split}")
+        order = self.train_order(ref.epoch) if ref.split == "train" else self.eval_ids
+        start = ref.shard_index * self.shard_size + ref.position * self.micro_batch_size
+        stop = min(start + self.micro_batch_size, (ref.shard_index + 1) * self.shard_size)
+        ids = order[start:stop]
+        if ref.position >= self.max_shard_batches or ids.size == 0:
+            raise ValueError(f"batch {batch_id!r}: no batch {ref.position} in its shard")
+        return [int(i) for i in ids.tolist()]
 
     def epoch_shards(self, epoch: int) -> list[Shard]:
         """Every task of ``epoch`` in release order (train shards, then eval shards)."""

@@ -1,0 +1,1 @@
+"""The aggregator: sharded gradient aggregation and parameter serving (DESIGN section 5)."""

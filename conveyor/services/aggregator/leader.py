@@ -1,0 +1,150 @@
+"""The coordinator's voice: publishes its decisions, the job's progress, epoch results and,
+at the end, the exported model and the ``completed`` event.
+
+Runs in the aggregator process that owns partition 0 of the job's grads topic, and only when
+the control log has been read to its end (the decisions must rest on the whole log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from conveyor.libs.bus import Producer
+from conveyor.libs.config import KafkaSettings
+from conveyor.libs.messages import JobEvent, Topics
+from conveyor.libs.storage import ObjectStore
+from conveyor.services.aggregator.config import AggregatorSettings
+from conveyor.services.aggregator.coordinator import Coordinator
+from conveyor.services.aggregator.epochs import EpochResult
+from conveyor.services.aggregator.finish import final_params, summarise, write_outputs
+from conveyor.services.aggregator.job import JobContext
+from conveyor.services.aggregator.metrics import AggregatorMetrics, rejection_label
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_WORKER_ID = "coordinator"
+
+
+class Leader:
+    """Publishes for a :class:`Coordinator`; ``reported(epoch)`` says whether the jobs topic
+    already has that epoch's ``epoch_completed`` (a previous coordinator may have sent it)."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        coordinator: Coordinator,
+        *,
+        settings: AggregatorSettings,
+        kafka: KafkaSettings,
+        producer: Producer,
+        store: ObjectStore,
+        metrics: AggregatorMetrics,
+        reported: Callable[[int], bool],
+    ) -> None:
+        self.ctx = ctx
+        self.coordinator = coordinator
+        self.settings = settings
+        self.kafka = kafka
+        self.topics = Topics(kafka.topic_prefix)
+        self.producer = producer
+        self.store = store
+        self.metrics = metrics
+        self.reported = reported
+        self.completed = False
+        self._completion: asyncio.Task[None] | None = None
+        self._announced: set[int] = set()
+        self._progress_at = 0.0
+        self._progress_key: tuple[int, int] | None = None
+
+    async def act(self) -> None:
+        """One pass: decide and publish, then progress, epoch results and the job's end."""
+        if self._completion is not None:
+            if self._completion.done():
+                self._completion.result()  # re-raises what the export failed with
+            return
+        coordinator = self.coordinator
+        decisions = coordinator.decide(time.time())
+        control = self.topics.control(self.ctx.job_id)
+        for rejection in decisions.rejections:
+            logger.info("job %s: rejecting %s: %s",
+                        self.ctx.job_id, rejection.contribution_id, rejection.reason)  # fmt: skip
+            await self.producer.publish(control, rejection)
+            self.metrics.rejections.labels(rejection_label(rejection.reason)).inc()
+        if decisions.close is not None:
+            await self.producer.publish(control, decisions.close)
+            for entry in decisions.close.contributions:
+                self.metrics.staleness.observe(int(entry["staleness"]))
+        await self._progress()
+        for result in coordinator.epochs.results():
+            await self._epoch_completed(result)
+        if coordinator.finished:
+            # In a task: the final ParamSlices may come from this very process's shards,
+            # which the caller advances between two passes.
+            await self._progress(force=True)
+            self._completion = asyncio.create_task(
+                self._complete(), name=f"aggregator.complete.{self.ctx.job_id}"
+            )
+
+    async def stop(self) -> None:
+        """Cancel a completion in progress (the next coordinator redoes it)."""
+        task = self._completion
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+    async def _progress(self, *, force: bool = False) -> None:
+        c = self.coordinator
+        key = (c.version, c.consumed_batches)
+        now = time.monotonic()
+        if key == self._progress_key or (not force and now - self._progress_at < self.interval):
+            return
+        self._progress_key, self._progress_at = key, now
+        await self._event("progress", {
+            "worker_id": COORDINATOR_WORKER_ID,
+            "source": COORDINATOR_WORKER_ID,
+            "consumed_batches": c.consumed_batches,
+            "consumed_train_batches": c.applied_train_batches,
+            "version": c.version,
+            "step": c.steps,
+            "epoch": c.current_epoch,
+            "samples_trained": c.samples_trained,
+            "loss": c.last_loss,
+        })  # fmt: skip
+
+    @property
+    def interval(self) -> float:
+        return self.settings.progress_interval_s
+
+    async def _epoch_completed(self, result: EpochResult) -> None:
+        if result.epoch in self._announced or self.reported(result.epoch):
+            self._announced.add(result.epoch)
+            return
+        logger.info("job %s: epoch %d done: eval loss %s accuracy %s", self.ctx.job_id,
+                    result.epoch, result.eval_loss, result.eval_accuracy)  # fmt: skip
+        await self._event("epoch_completed", {
+            "epoch": result.epoch,
+            "version": result.version,
+            "eval_loss": result.eval_loss,
+            "eval_accuracy": result.eval_accuracy,
+            "train_loss": result.train_loss,
+        })  # fmt: skip
+        self._announced.add(result.epoch)
+
+    async def _complete(self) -> None:
+        c = self.coordinator
+        flat = await final_params(
+            self.kafka, self.ctx, c.version, timeout_s=self.settings.export_timeout_s
+        )
+        uri = await asyncio.to_thread(write_outputs, self.store, self.ctx, flat, c)
+        summary = summarise(c, uri)
+        await self._event("completed", {"summary": summary, "worker_id": self.settings.worker_id})
+        self.completed = True
+        logger.info("job %s: completed: %s", self.ctx.job_id, summary)
+
+    async def _event(self, event: str, data: dict[str, Any]) -> None:
+        message = JobEvent(job_id=self.ctx.job_id, event=event, at=time.time(), data=data)
+        await self.producer.publish(self.topics.jobs, message, key=self.ctx.job_id)

@@ -1,0 +1,317 @@
+"""The aggregator against the real broker, driven by a scripted trainer peer.
+
+Every version's ParamSlices must equal a single-process torch optimizer fed the same summed
+gradients (sync with a failover of the coordinator's process; ssp with top-k and Adam), the job
+must end with ``completed``, an exported model that loads, and a ledger of exactly-once counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aggregator_peer import Peer
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+from prometheus_client import REGISTRY
+
+from conveyor.libs.bus import Producer, TopicAdmin, TopicSpec
+from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.libs.datasets import Dataset, open_dataset
+from conveyor.libs.export import load_exported_state
+from conveyor.libs.jobspec import JobSpec
+from conveyor.libs.messages import JobEvent, Topics
+from conveyor.libs.plan import JobPlan
+from conveyor.libs.storage import open_store
+from conveyor.services.aggregator.config import AggregatorSettings
+from conveyor.services.aggregator.job import JobContext, prepare_job
+from conveyor.services.aggregator.service import AggregatorService
+
+SPEC: dict[str, Any] = {
+    "name": "digits-agg",
+    "model": {"name": "small_cnn", "num_classes": 10, "channels": [8, 16]},
+    "dataset": {"uri": "builtin://sklearn-digits", "eval_fraction": 0.5},
+    "training": {
+        "epochs": 2, "global_batch_size": 256, "micro_batch_size": 64, "seed": 11,
+        "optimizer": {"name": "sgd", "lr": 0.2, "weight_decay": 1e-4},
+        "lr_schedule": {"name": "cosine", "warmup_steps": 2},
+    },
+    "distribution": {"trainers": 2, "aggregator_shards": 2, "mode": "sync"},
+}  # fmt: skip
+WORKERS = {"t0": 100.0, "t1": 300.0}
+
+
+@pytest.fixture
+def kafka(kafka_bootstrap: str) -> KafkaSettings:
+    """Short session: the embedded broker completes a group join after half of it."""
+    return KafkaSettings(
+        bootstrap=kafka_bootstrap,
+        topic_prefix=f"t{uuid.uuid4().hex[:10]}.",
+        session_timeout_s=4.0,
+        heartbeat_interval_s=0.5,
+    )
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """A global SDK tracer provider for this test (OpenTelemetry allows one per process)."""
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+async def submit(kafka: KafkaSettings, spec: dict[str, Any]) -> tuple[JobContext, Dataset]:
+    """What the gateway and the sharder do: topics, ``submitted``, ``planned``."""
+    job_id = f"job{uuid.uuid4().hex[:8]}"
+    topics = Topics(kafka.topic_prefix)
+    dataset = open_dataset(spec["dataset"]["uri"])
+    plan = JobPlan.from_spec(job_id, JobSpec.from_dict(spec), dataset.num_samples)
+    slices = spec["distribution"]["aggregator_shards"]
+    async with TopicAdmin(kafka) as admin:
+        await admin.create_topics([
+            TopicSpec(topics.jobs, partitions=2),
+            TopicSpec(topics.control(job_id)),
+            TopicSpec(topics.grads(job_id), partitions=slices),
+            TopicSpec(topics.params(job_id), partitions=slices),
+        ])  # fmt: skip
+    planned = {
+        "num_train": plan.num_train, "num_eval": plan.num_eval,
+        "num_classes": dataset.num_classes, "sample_shape": list(dataset.sample_shape),
+        "train_batches_per_epoch": plan.train_batches_per_epoch,
+        "eval_batches_per_epoch": plan.eval_batches_per_epoch,
+        "steps_per_epoch": plan.steps_per_epoch(4), "batches_topic": topics.batches(job_id),
+        "control_topic": topics.control(job_id), "batches_partitions": 2,
+    }  # fmt: skip
+    async with Producer(kafka) as producer:
+        for event, data in (("submitted", {"spec": spec}), ("planned", planned)):
+            message = JobEvent(job_id=job_id, event=event, at=time.time(), data=data)
+            await producer.publish(topics.jobs, message, key=job_id)
+    return prepare_job(job_id, spec, planned), dataset
+
+
+@asynccontextmanager
+async def aggregator(kafka: KafkaSettings, objects: Path) -> AsyncIterator[AggregatorService]:
+    service = AggregatorService(
+        settings=AggregatorSettings(member_timeout_s=3.0, tick_s=0.05, progress_interval_s=0.2),
+        kafka=kafka,
+        storage=StorageSettings(uri=f"file://{objects}"),
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
+    serving = asyncio.create_task(service.serve())
+    service.serving = serving  # type: ignore[attr-defined]
+    try:
+        yield service
+    finally:
+        if not serving.done():
+            service.request_stop()
+        assert await asyncio.wait_for(serving, 30) == 0
+
+
+async def stop(service: AggregatorService) -> None:
+    service.request_stop()
+    assert await asyncio.wait_for(service.serving, 30) == 0  # type: ignore[attr-defined]
+
+
+def assert_matches_replay(peer: Peer) -> None:
+    replay = peer.replay()
+    assert set(replay) == set(range(len(peer.closes) + 1))
+    for version, expected in replay.items():
+        torch.testing.assert_close(peer.flat_params(version), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(replay[0], replay[len(peer.closes)])
+
+
+def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
+    """The completed event's summary, the exported model, the ledger, the epoch results."""
+    (completed,) = peer.event("completed")
+    summary: dict[str, Any] = completed.data["summary"]
+    steps = sum(1 for c in peer.closes.values() if c.num_samples > 0)
+    assert summary["steps"] == steps and summary["versions"] == len(peer.closes)
+    assert summary["samples"] == epochs * peer.ctx.plan.num_train
+    assert summary["epochs"] == epochs
+    staleness = [e["staleness"] for c in peer.closes.values() for e in c.contributions]
+    assert summary["max_staleness"] == max(staleness)
+    store = open_store(f"file://{objects}")
+    model = peer.ctx.build_model()
+    model.load_state_dict(load_exported_state(store, peer.job_id), strict=True)
+    final = peer.flat_params(len(peer.closes))
+    assert torch.equal(peer.ctx.layout.flatten_params(model), final)
+    assert summary["checkpoint"].endswith(f"jobs/{peer.job_id}/model.safetensors")
+    ledger = json.loads(store.get_bytes(f"jobs/{peer.job_id}/ledger.json"))
+    train_ids = {str(i) for i in peer.ctx.plan.train_ids.tolist()}
+    for epoch in range(epochs):
+        counts = ledger["epochs"][str(epoch)]
+        assert set(counts) == train_ids and set(counts.values()) == {1}  # exactly once
+    results = {e.data["epoch"]: e.data for e in peer.event("epoch_completed")}
+    assert sorted(results) == list(range(epochs))
+    for epoch, (loss, correct, samples) in peer.eval_sums.items():
+        assert samples == peer.ctx.plan.num_eval
+        assert results[epoch]["eval_accuracy"] == pytest.approx(correct / samples)
+        assert results[epoch]["eval_loss"] == pytest.approx(loss / samples)
+        assert results[epoch]["version"] == peer.epoch_end[epoch]
+    assert summary["eval_accuracy"] == results[epochs - 1]["eval_accuracy"]
+    return summary
+
+
+async def test_sync_two_shards_with_failover_matches_replay(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    ctx, dataset = await submit(kafka, SPEC)
+    epochs = ctx.spec.training.epochs
+    per_step = ctx.spec.micro_batches_per_step
+    stopped_at: int | None = None
+    taken_over: set[int] = set()
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(aggregator(kafka, tmp_path))
+        peer = await stack.enter_async_context(Peer(kafka, ctx, dataset, WORKERS))
+        await peer.wait_for(lambda: peer.has_params(0))
+        # A second process joins: the group rebalances, each serves one slice.
+        second = await stack.enter_async_context(aggregator(kafka, tmp_path))
+        evaluating = asyncio.create_task(peer.evaluate_epochs(epochs))
+        version, epoch = 0, 0
+        queue = peer.train_batches(0)
+        while True:
+            await peer.wait_for(lambda v=version: peer.has_params(v))  # type: ignore[misc]
+            if version == 3 and stopped_at is None:
+                # Stop the coordinator's process: its slice and the coordination move over.
+                owner = next(s for s in (first, second) if 0 in s.runtimes[ctx.job_id].shards)
+                await stop(owner)
+                stopped_at, survivor = version, second if owner is first else first
+            if stopped_at is not None and version == stopped_at + 3:
+                taken_over = set(survivor.runtimes[ctx.job_id].shards)
+            if epoch in peer.epoch_end:
+                epoch += 1
+                if epoch == epochs:
+                    break
+                queue = peer.train_batches(epoch)
+            close = peer.closes.get(version)
+            allocation = close.allocation if close else dict.fromkeys(WORKERS, per_step // 2)
+            sent = []
+            for worker in sorted(WORKERS):
+                take, queue = queue[: allocation[worker]], queue[allocation[worker] :]
+                sent.append((take, await peer.contribute(worker, version, take)))
+            await peer.wait_for(lambda v=version: v + 1 in peer.closes)  # type: ignore[misc]
+            queue = [b for take, cid in sent if cid in peer.rejections for b in take] + queue
+            version += 1
+        await evaluating
+        await peer.wait_for(lambda: bool(peer.event("completed")), 60)
+    assert stopped_at is not None and len(peer.closes) >= stopped_at + 4
+    assert taken_over == {0, 1}  # the survivor serves both slices
+    assert_matches_replay(peer)
+    allocations = [c.allocation for c in peer.closes.values()]
+    assert allocations[0] == {"t0": 1, "t1": 3}  # proportional to the heartbeats' throughput
+    assert all(sum(a.values()) == per_step for a in allocations)
+    assert not peer.rejections
+    # 15 train batches per epoch: three full steps and a short one, every epoch
+    assert [len(c.batch_ids) for c in peer.closes.values()] == [4, 4, 4, 3] * epochs
+    summary = check_outputs(peer, tmp_path, epochs)
+    assert summary["max_staleness"] == 0
+
+
+SSP_SPEC: dict[str, Any] = {
+    **SPEC,
+    "training": {
+        **SPEC["training"], "epochs": 1,
+        "optimizer": {"name": "adam", "lr": 0.01, "weight_decay": 1e-4},
+        "lr_schedule": {"name": "step", "step_size": 3, "gamma": 0.7},
+    },
+    "distribution": {
+        "trainers": 2, "aggregator_shards": 2, "mode": "ssp", "staleness": 2,
+        "compression": {"kind": "topk", "ratio": 0.05, "error_feedback": True},
+    },
+}  # fmt: skip
+
+
+def metric(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+async def ssp_worker(peer: Peer, worker: str, queue: list[str], staleness: int) -> None:
+    """Compute on the newest params, at most ``staleness`` contributions unconfirmed."""
+    outstanding: dict[str, list[str]] = {}
+    applied = lambda cid: any(  # noqa: E731
+        e["contribution_id"] == cid for c in peer.closes.values() for e in c.contributions
+    )
+    per_epoch = peer.ctx.train_batches_per_epoch
+    while peer.applied_in_epoch(0) < per_epoch:
+        for cid in list(outstanding):
+            if cid in peer.rejections:
+                queue[:0] = outstanding.pop(cid)  # recompute them on newer params
+            elif applied(cid):
+                del outstanding[cid]
+        if len(outstanding) >= staleness or not queue:
+            await asyncio.sleep(0.01)
+            continue
+        newest = peer.newest_version()
+        close = peer.closes.get(newest)
+        count = close.allocation.get(worker, 2) if close else 2
+        take = queue[:count]
+        del queue[:count]
+        outstanding[await peer.contribute(worker, newest, take)] = take
+        await asyncio.sleep(0)  # the other worker computes on the same version: staleness
+
+
+async def test_ssp_topk_adam_single_process_matches_replay(
+    kafka: KafkaSettings, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    ctx, dataset = await submit(kafka, SSP_SPEC)
+    steps_before = metric("conveyor_aggregator_steps_total")
+    bytes_before = metric("conveyor_aggregator_grad_bytes_total")
+    workers = {"t0": 200.0, "t1": 200.0}
+    async with (
+        aggregator(kafka, tmp_path),
+        Peer(kafka, ctx, dataset, workers) as peer,
+    ):
+        await peer.wait_for(lambda: peer.has_params(0))
+        evaluating = asyncio.create_task(peer.evaluate_epochs(1))
+        queue = peer.train_batches(0)
+        await asyncio.gather(*(ssp_worker(peer, w, queue, 2) for w in sorted(workers)))
+        await evaluating
+        await peer.wait_for(lambda: bool(peer.event("completed")), 60)
+    assert_matches_replay(peer)
+    staleness = [e["staleness"] for c in peer.closes.values() for e in c.contributions]
+    assert all(len(c.contributions) == 1 for c in peer.closes.values())
+    assert max(staleness) <= 2 and max(staleness) >= 1
+    for rejection in peer.rejections.values():
+        assert rejection.reason.startswith("stale") and rejection.current_version >= 3
+    summary = check_outputs(peer, tmp_path, 1)
+    assert summary["rejections"] == len(peer.rejections)
+    dense_bytes = 4 * ctx.layout.numel * len(peer.sent)
+    assert summary["grad_bytes_total"] < 0.11 * dense_bytes  # 5% values + 5% indices
+    # metrics: every version applied by both slices, the gradient bytes received
+    assert metric("conveyor_aggregator_steps_total") - steps_before == 2 * len(peer.closes)
+    assert (
+        metric("conveyor_aggregator_grad_bytes_total") - bytes_before >= summary["grad_bytes_total"]
+    )
+    assert metric("conveyor_aggregator_staleness_count") >= len(peer.closes)
+    # spans: an "aggregate" per version and slice, linked to the GradSlices' send spans,
+    # each the parent of its "send <params topic>"
+    finished = spans.get_finished_spans()
+    grads_topic, params_topic = (
+        Topics(kafka.topic_prefix).grads(ctx.job_id),
+        Topics(kafka.topic_prefix).params(ctx.job_id),
+    )
+    sends = {s.context.span_id for s in finished if s.name == f"send {grads_topic}"}
+    aggregates = [s for s in finished if s.name == "aggregate"]
+    assert len(aggregates) == 2 * len(peer.closes)
+    nonempty = [s for s in aggregates if s.attributes["conveyor.num_samples"] > 0]
+    assert nonempty and all(s.links for s in nonempty)
+    assert all(link.context.span_id in sends for s in aggregates for link in s.links)
+    parents = {s.parent.span_id for s in finished if s.name == f"send {params_topic}" and s.parent}
+    assert {s.context.span_id for s in aggregates} <= parents

@@ -1,0 +1,72 @@
+"""TopicTail against the real broker: whole logs, last records, lookups, live following."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conveyor.libs.bus import (
+    BusError,
+    Producer,
+    Tailed,
+    TopicSpec,
+    TopicTail,
+    ensure_topics,
+    read_last,
+)
+from conveyor.libs.config import KafkaSettings
+from conveyor.libs.messages import Heartbeat
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def beat(worker: str, n: int) -> Heartbeat:
+    return Heartbeat(job_id="j", worker_id=worker, role="trainer", at=time.time(), info={"n": n})
+
+
+async def drain(tail: TopicTail, until: int, timeout_s: float = 10.0) -> list[Tailed]:
+    records: list[Tailed] = []
+    async with asyncio.timeout(timeout_s):
+        while len(records) < until:
+            records += await tail.get_many(0.2)
+    return records
+
+
+async def test_replays_follows_and_finds_the_last_records(kafka_settings: KafkaSettings) -> None:
+    topic = f"{kafka_settings.topic_prefix}tail"
+    await ensure_topics(kafka_settings, [TopicSpec(topic, partitions=3)])
+    async with Producer(kafka_settings) as producer:
+        for n in range(3):
+            await producer.publish(topic, beat("a", n), partition=0)
+        await producer.publish(topic, beat("b", 0), partition=1)  # partition 2 stays empty
+
+        async with TopicTail(kafka_settings, topic) as whole:
+            assert whole.partitions == [0, 1, 2] and not whole.caught_up
+            records = await drain(whole, 4)
+            assert whole.caught_up
+            in_zero = [r for r in records if r.partition == 0]
+            assert [r.offset for r in in_zero] == [0, 1, 2]
+            assert [r.message.info["n"] for r in in_zero] == [0, 1, 2]  # type: ignore[attr-defined]
+            await producer.publish(topic, beat("c", 7), partition=2)
+            [live] = await drain(whole, 1)  # it keeps following
+            assert (live.partition, live.offset) == (2, 0)
+
+        async with TopicTail(kafka_settings, topic, start="last") as last:
+            records = await drain(last, 3)
+            assert sorted((r.partition, r.offset) for r in records) == [(0, 2), (1, 0), (2, 0)]
+            found = await last.read_at(0, 1)
+            assert found is not None and found.message.info["n"] == 1  # type: ignore[attr-defined]
+            assert (await last.end_offsets()) == {0: 3, 1: 1, 2: 1}
+            with pytest.raises(ValueError, match="no partition 5"):
+                await last.read_at(5, 0)
+
+    newest = await read_last(kafka_settings, topic)
+    assert {p: r.offset for p, r in newest.items()} == {0: 2, 1: 0, 2: 0}
+
+
+async def test_a_missing_topic_is_an_error(kafka_settings: KafkaSettings) -> None:
+    with pytest.raises(BusError, match="no partitions"):
+        async with TopicTail(kafka_settings, f"{kafka_settings.topic_prefix}missing"):
+            pass

@@ -1,0 +1,329 @@
+"""The coordinator's pure decisions: sync closing, membership timeout, dedup, ssp staleness,
+allocation, epochs and eval sums."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from conveyor.libs.jobspec import JobSpec
+from conveyor.libs.messages import Contribution, EvalResult, Heartbeat, Rejection, StepClose
+from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig, Decisions
+from conveyor.services.aggregator.membership import allocate
+
+JOB = "job1"
+T0 = 1_000.0
+
+
+def spec(**distribution: Any) -> JobSpec:
+    return JobSpec.from_dict({
+        "name": "c",
+        "model": {"name": "small_cnn"},
+        "dataset": {"uri": "builtin://sklearn-digits"},
+        "training": {
+            "epochs": 2, "global_batch_size": 4, "micro_batch_size": 1,
+            "optimizer": {"name": "sgd", "lr": 0.5},
+            "lr_schedule": {"name": "step", "step_size": 2, "gamma": 0.5},
+        },
+        "distribution": {"trainers": 2, **distribution},
+    })  # fmt: skip
+
+
+def coordinator(train: int = 8, evals: int = 2, **distribution: Any) -> Coordinator:
+    config = CoordinatorConfig(
+        job_id=JOB,
+        spec=spec(**distribution),
+        train_batches_per_epoch=train,
+        eval_batches_per_epoch=evals,
+        member_timeout_s=10.0,
+    )
+    return Coordinator(config)
+
+
+def batch(epoch: int, index: int, split: str = "train") -> str:
+    return f"{JOB}:e{epoch}:{split}:{index // 4:05d}:b{index % 4:03d}"
+
+
+def beat(worker: str, at: float, sps: float | None = None, **info: Any) -> Heartbeat:
+    if sps is not None:
+        info["samples_per_second"] = sps
+    return Heartbeat(job_id=JOB, worker_id=worker, role="trainer", at=at, info=info)
+
+
+_seq = iter(range(1_000_000))
+
+
+def contrib(worker: str, base: int, batches: list[str], at: float = T0, cid: str | None = None,
+            loss: float = 1.0) -> Contribution:  # fmt: skip
+    return Contribution(
+        job_id=JOB,
+        contribution_id=cid or f"{worker}:{next(_seq)}",
+        worker_id=worker,
+        base_version=base,
+        num_samples=len(batches),
+        batch_ids=batches,
+        loss_sum=loss * len(batches),
+        grad_bytes=100,
+        sent_at=at,
+    )
+
+
+def echo(c: Coordinator, decisions: Decisions) -> None:
+    """What the log does: the published decisions come back and are folded."""
+    for rejection in decisions.rejections:
+        c.fold(rejection)
+    if decisions.close is not None:
+        c.fold(decisions.close)
+
+
+def test_sync_closes_only_when_every_live_member_contributed() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0, 100.0))
+    c.fold(beat("b", T0, 300.0))
+    a = contrib("a", 0, [batch(0, 0)])
+    c.fold(a)
+    assert c.decide(T0 + 1) == Decisions()
+    b = contrib("b", 0, [batch(0, 1), batch(0, 2), batch(0, 3)])
+    c.fold(b)
+    decisions = c.decide(T0 + 1)
+    close = decisions.close
+    assert close is not None and decisions.rejections == []
+    assert close.version == 1 and close.num_samples == 4 and close.epoch == 0
+    assert close.batch_ids == [batch(0, 0), batch(0, 1), batch(0, 2), batch(0, 3)]
+    assert [e["contribution_id"] for e in close.contributions] == [
+        a.contribution_id,
+        b.contribution_id,
+    ]
+    assert all(e["staleness"] == 0 for e in close.contributions)
+    assert close.allocation == {"a": 1, "b": 3}  # proportional to throughput, sums to 4
+    assert close.lr == 0.5
+    # nothing more is decided until the close comes back through the log
+    assert c.decide(T0 + 1) == Decisions()
+    echo(c, decisions)
+    assert c.version == 1 and c.steps == 1 and c.samples_trained == 4
+    assert c.last_loss == pytest.approx(1.0)
+
+
+def test_dead_member_is_dropped_after_the_timeout_and_the_step_closes() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(beat("b", T0))
+    c.fold(contrib("a", 0, [batch(0, 0), batch(0, 1)], at=T0 + 1))
+    c.fold(beat("a", T0 + 9))
+    assert c.decide(T0 + 9.5).close is None  # b is still within its 10 s
+    assert c.decide(T0 + 10.0).close is None
+    decisions = c.decide(T0 + 10.5)  # b silent for more than 10 s: dropped
+    assert decisions.close is not None and decisions.close.version == 1
+    assert decisions.close.allocation == {"a": 4}
+    assert [m.worker_id for m in c.members.live(T0 + 10.5)] == ["a"]
+
+
+def test_leaving_member_is_dropped_at_once() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(beat("b", T0))
+    c.fold(contrib("a", 0, [batch(0, 0)]))
+    assert c.decide(T0 + 1).close is None
+    c.fold(beat("b", T0 + 1, leaving=True))
+    assert c.decide(T0 + 1).close is not None
+
+
+def test_duplicates_are_ignored_or_rejected() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    first = contrib("a", 0, [batch(0, 0), batch(0, 1)], cid="a:1")
+    c.fold(first)
+    c.fold(contrib("a", 0, [batch(0, 2)], cid="a:1"))  # same contribution id: ignored
+    decisions = c.decide(T0)
+    assert decisions.close is not None and decisions.close.batch_ids == first.batch_ids
+    echo(c, decisions)
+    # a contribution carrying an applied batch is rejected
+    again = contrib("a", 1, [batch(0, 1), batch(0, 2)])
+    c.fold(again)
+    decisions = c.decide(T0)
+    assert decisions.close is None
+    assert [(r.contribution_id, r.reason) for r in decisions.rejections] == [
+        (again.contribution_id, "duplicate batches")
+    ]
+    echo(c, decisions)
+    assert c.rejected == 1
+    # two trainers got the same redelivered batch in one step: the later one is rejected
+    c.fold(beat("b", T0))
+    x = contrib("a", 1, [batch(0, 2)])
+    y = contrib("b", 1, [batch(0, 2), batch(0, 3)])
+    c.fold(x)
+    c.fold(y)
+    decisions = c.decide(T0)
+    assert decisions.close is not None and decisions.close.batch_ids == [batch(0, 2)]
+    assert [r.contribution_id for r in decisions.rejections] == [y.contribution_id]
+    echo(c, decisions)
+    assert c.applied_train_batches == 3  # every batch applied once
+
+
+def test_sync_rejects_stale_contributions() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(contrib("a", 0, [batch(0, 0)]))
+    echo(c, c.decide(T0))
+    late = contrib("a", 0, [batch(0, 1)])
+    c.fold(late)
+    decisions = c.decide(T0)
+    assert decisions.close is None
+    assert decisions.rejections[0].reason == "stale: base 0, current 1"
+    assert decisions.rejections[0].current_version == 1
+
+
+def test_empty_step_makes_a_version_without_a_step() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(contrib("a", 0, []))
+    decisions = c.decide(T0)
+    assert decisions.close is not None and decisions.close.num_samples == 0
+    echo(c, decisions)
+    assert (c.version, c.steps, c.samples_trained) == (1, 0, 0)
+
+
+def test_ssp_applies_within_the_bound_and_rejects_beyond() -> None:
+    s = 2
+    c = coordinator(train=200, mode="ssp", staleness=s)
+    rng = random.Random(5)
+    applied: list[int] = []
+    rejected: list[int] = []
+    for index in range(60):
+        worker = rng.choice(["a", "b", "c"])
+        c.fold(beat(worker, T0))
+        base = rng.randint(max(0, c.version - 4), c.version)
+        c.fold(contrib(worker, base, [batch(0, index)]))
+        decisions = c.decide(T0)
+        for r in decisions.rejections:
+            assert r.reason == f"stale: base {base}, current {c.version}"
+            rejected.append(c.version - base)
+        if decisions.close is not None:
+            assert len(decisions.close.contributions) == 1  # one contribution per version
+            assert decisions.close.version == c.version + 1
+            applied.append(decisions.close.contributions[0]["staleness"])
+        echo(c, decisions)
+    assert sorted(set(applied)) == [0, 1, 2] and c.max_staleness == s
+    assert rejected and min(rejected) == s + 1
+    assert c.version == len(applied) and c.rejected == len(rejected)
+    assert len(applied) + len(rejected) == 60
+
+
+def test_membership_reads_throughput_and_data_wait() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0, 50.0, step_time_s={"data_wait": 0.1, "compute": 0.3}))
+    c.fold(beat("b", T0, data_wait_ratio=0.5))
+    c.fold(beat("a", T0 - 5, 999.0))  # an older heartbeat changes nothing
+    (a, b) = c.members.live(T0)
+    assert a.samples_per_second == 50.0 and a.data_wait_ratio == pytest.approx(0.25)
+    assert b.samples_per_second is None and b.data_wait_ratio == 0.5
+    assert c.members.data_wait_ratio() == pytest.approx(0.375)
+    c.fold(Heartbeat(job_id=JOB, worker_id="p", role="preprocessor", at=T0, info={}))
+    assert len(c.members.live(T0)) == 2  # only trainers are members
+
+
+def test_allocation_is_proportional_and_sums_to_the_step() -> None:
+    assert allocate({"a": 100.0, "b": 300.0}, 4) == {"a": 1, "b": 3}
+    assert allocate({"a": 1.0, "b": 1.0, "c": 1.0}, 8) == {"a": 2, "b": 3, "c": 3}
+    slowpoke = allocate({"a": 1000.0, "b": 1.0}, 8)
+    assert slowpoke == {"a": 7, "b": 1}  # at least one each
+    assert allocate({"a": None, "b": 200.0}, 4) == {"a": 2, "b": 2}  # unknown: the mean
+    assert allocate({"a": 5.0, "b": 9.0, "c": 1.0}, 2) == {"a": 1, "b": 1, "c": 0}
+    for total in range(3, 40):
+        counts = allocate({"a": 3.3, "b": 7.1, "c": 0.2}, total)
+        assert sum(counts.values()) == total and min(counts.values()) >= 1
+
+
+def test_lr_schedule_follows_the_steps() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    lrs = []
+    for step in range(5):
+        c.fold(contrib("a", step, [batch(0, step)]))
+        decisions = c.decide(T0)
+        assert decisions.close is not None
+        lrs.append(decisions.close.lr)
+        echo(c, decisions)
+    assert lrs == [0.5, 0.5, 0.25, 0.25, 0.125]
+
+
+def run_epoch(c: Coordinator, epoch: int, train: int) -> None:
+    for i in range(0, train, 4):
+        c.fold(contrib("a", c.version, [batch(epoch, j) for j in range(i, min(i + 4, train))]))
+        decisions = c.decide(T0)
+        assert decisions.close is not None
+        echo(c, decisions)
+
+
+def evaluate(c: Coordinator, epoch: int, index: int, loss: float, correct: int) -> None:
+    c.fold(EvalResult(job_id=JOB, worker_id="a", epoch=epoch, version=c.epochs.end_version[epoch],
+                      batch_ids=[batch(epoch, index, "eval")], loss_sum=loss, correct=correct,
+                      num_samples=4))  # fmt: skip
+
+
+def test_epoch_end_and_eval_sums() -> None:
+    c = coordinator(train=6, evals=2)
+    c.fold(beat("a", T0))
+    assert c.current_epoch == 0
+    run_epoch(c, 0, 6)
+    assert c.epochs.end_version == {0: 2} and c.current_epoch == 1
+    assert c.epochs.result(0) is None  # eval not covered yet
+    evaluate(c, 0, 0, loss=2.0, correct=3)
+    evaluate(c, 0, 0, loss=2.0, correct=3)  # the same batch again: counted once
+    assert c.epochs.result(0) is None
+    assert c.consumed_batches == 7
+    evaluate(c, 0, 1, loss=6.0, correct=1)
+    result = c.epochs.result(0)
+    assert result is not None
+    assert (result.epoch, result.version) == (0, 2)
+    assert result.eval_loss == pytest.approx(1.0) and result.eval_accuracy == pytest.approx(0.5)
+    assert result.train_loss == pytest.approx(1.0)
+    assert not c.training_finished and not c.finished
+    run_epoch(c, 1, 6)
+    assert c.training_finished and not c.finished
+    late = contrib("a", c.version, [batch(1, 0)])
+    c.fold(late)
+    decisions = c.decide(T0)  # training is over: nothing more is closed, all is answered
+    assert decisions.close is None
+    assert [(r.contribution_id, r.reason) for r in decisions.rejections] == [
+        (late.contribution_id, "training finished")
+    ]
+    assert c.decide(T0) == Decisions()  # answered once
+    echo(c, decisions)
+    evaluate(c, 1, 0, 1.0, 4)
+    evaluate(c, 1, 1, 1.0, 4)
+    assert c.finished
+    assert [r.epoch for r in c.epochs.results()] == [0, 1]
+    assert c.consumed_batches == 16
+
+
+def test_max_steps_finishes_training() -> None:
+    base = spec()
+    training = base.training.model_copy(update={"max_steps": 2})
+    c = Coordinator(CoordinatorConfig(
+        job_id=JOB,
+        spec=base.model_copy(update={"training": training}),
+        train_batches_per_epoch=12, eval_batches_per_epoch=2,
+    ))  # fmt: skip
+    c.fold(beat("a", T0))
+    run_epoch(c, 0, 8)
+    assert c.steps == 2 and c.training_finished and c.finished  # no epoch ended: nothing to eval
+
+
+def test_duplicate_close_versions_first_wins() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(contrib("a", 0, [batch(0, 0)]))
+    decisions = c.decide(T0)
+    assert decisions.close is not None
+    echo(c, decisions)
+    other = StepClose(job_id=JOB, version=1, contributions=[], batch_ids=[batch(0, 5)],
+                      num_samples=1, epoch=0, lr=1.0, allocation={}, closed_at=T0)  # fmt: skip
+    c.fold(other)
+    assert c.version == 1 and c.applied_train_batches == 1
+    applied_id = decisions.close.contributions[0]["contribution_id"]
+    c.fold(Rejection(job_id=JOB, contribution_id=applied_id, worker_id="a", current_version=1,
+                     reason="late"))  # fmt: skip
+    assert c.rejected == 0
