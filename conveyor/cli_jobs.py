@@ -162,6 +162,9 @@ def follow_with_progress(client: GatewayClient, job_id: str, *, quiet: bool) -> 
                 bar.total = progress["total_steps"]
                 bar.refresh()
             bar.n = progress.get("step") or 0
+            if bar.total is not None and bar.n > bar.total:
+                # Partial steps at epoch ends (a trainer short of batches) add steps.
+                bar.total = bar.n
             epochs = job.get("epochs") or []
             postfix: dict[str, Any] = {"state": job["state"], "epoch": progress.get("epoch")}
             if progress.get("loss") is not None:

@@ -354,7 +354,6 @@ _HANDLERS: Final[dict[str, _Handler]] = {
 
 # --------------------------------------------------------------------------- the reader
 
-_FETCH_WAIT_MS = 100  # a short long-poll keeps publish -> visible-in-view latency low
 _POLL_TIMEOUT_MS = 1000
 
 OnApplied = Callable[[JobView, JobEvent], None]
@@ -407,7 +406,7 @@ class JobLogReader:
     async def start(self) -> None:
         """Assign every partition of the topic from the beginning. BusError if it has none."""
         options = consumer_options(self._settings, group_id="unused")
-        options.update(group_id=None, fetch_max_wait_ms=_FETCH_WAIT_MS)
+        options.update(group_id=None)
         consumer = AIOKafkaConsumer(**options)
         try:
             await consumer.start()

@@ -1,14 +1,17 @@
-"""Flow control and preprocessor failover on a stack of two preprocessors (`--scale`) and a
-trainer slowed to a simulated slow accelerator (CONVEYOR_TRAINER_SIMULATED_STEP_DELAY_S).
+"""Flow control and failover on a stack of two preprocessors and two aggregators (`--scale`)
+and a trainer slowed to a simulated slow accelerator (CONVEYOR_TRAINER_SIMULATED_STEP_DELAY_S).
 
-The flow-control test runs first; the failover test, which SIGKILLs a preprocessor, last.
+The flow-control test runs first; then the failover tests, which SIGKILL a preprocessor and an
+aggregator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,7 +44,7 @@ SAMPLE_EVERY_S = 0.2
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     with running_stack(
         tmp_path_factory.mktemp("flow") / "state",
-        args=["--scale", "preprocessor=2"],
+        args=["--scale", "preprocessor=2", "--scale", "aggregator=2"],
         env={"CONVEYOR_TRAINER_SIMULATED_STEP_DELAY_S": str(STEP_DELAY_S)},
     ) as running:
         yield running
@@ -227,3 +230,37 @@ def test_preprocessor_killed_mid_shard_loses_and_repeats_nothing(stack: RunningS
     assert stack.alive() == {**{s.name: True for s in stack.state.services}, victim.name: False}
     before, after = survivor_at_kill - survivor_before, survivor_after - survivor_at_kill
     print(f"killed {victim.name} at {at_kill['progress']}; survivor batches {before} + {after}")
+
+
+def test_aggregator_killed_mid_job_hands_its_slice_over_and_the_job_completes(
+    stack: RunningStack,
+) -> None:
+    # Two slices over two aggregator processes: each owns one partition of the job's grads
+    # topic. Killing one moves its slice (a consumer-group rebalance) to the survivor, which
+    # rebuilds it from the slice's last published parameters and closes the remaining steps.
+    spec = digits_spec("aggregator-failover", distribution={"aggregator_shards": 2})
+    job_id = stack.submit(spec)
+    victim, survivor = stack.service("aggregator-1"), stack.service("aggregator-2")
+
+    def some_steps_applied() -> dict[str, Any] | None:
+        job = stack.job(job_id)
+        assert job["state"] not in TERMINAL_STATES, job
+        return job if job["progress"]["step"] >= 5 else None
+
+    at_kill = wait_for(some_steps_applied, timeout_s=90, interval_s=0.05, what="5 steps")
+    stack.kill(victim.name)
+    victim_log = Path(victim.process.log_path).read_text()
+    assert re.search(rf"job {job_id}: serving slice \d+ from version", victim_log), (
+        "the victim held no slice of the job: the kill would prove nothing"
+    )
+
+    job = stack.wait_job(job_id, timeout_s=150)
+    assert job["state"] == "completed", job.get("reason")
+    assert job["summary"]["steps"] > at_kill["progress"]["step"]
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
+    # Optimizer state restarts with the moved slice (until checkpoints carry it): the model
+    # still learns.
+    assert job["summary"]["eval_accuracy"] > 0.7
+    log = Path(survivor.process.log_path).read_text()
+    served = {int(i) for i in re.findall(rf"job {job_id}: serving slice (\d+) from version", log)}
+    assert served == {0, 1}, f"the survivor served slices {served}"

@@ -71,4 +71,5 @@ def consumer_options(settings: KafkaSettings, group_id: str) -> dict[str, Any]:
         "session_timeout_ms": int(settings.session_timeout_s * 1000),
         "heartbeat_interval_ms": int(settings.heartbeat_interval_s * 1000),
         "max_poll_interval_ms": int(settings.max_poll_interval_s * 1000),
+        "fetch_max_wait_ms": settings.fetch_max_wait_ms,
     }

@@ -26,8 +26,6 @@ from conveyor.libs.messages import Message
 
 logger = logging.getLogger(__name__)
 
-_FETCH_WAIT_MS = 50
-"""Long-poll of one fetch: short, so a published record is visible within tens of ms."""
 
 SKIPPED_RECORDS = telemetry.counter(
     "bus",
@@ -98,7 +96,7 @@ class TopicTail:
         if self._consumer is not None:
             return
         options = consumer_options(self._settings, group_id="unused")
-        options.update(group_id=None, fetch_max_wait_ms=_FETCH_WAIT_MS)
+        options.update(group_id=None)
         consumer = AIOKafkaConsumer(**options)
         try:
             await consumer.start()
