@@ -121,12 +121,12 @@ async def aggregator(kafka: KafkaSettings, objects: Path) -> AsyncIterator[Aggre
     finally:
         if not serving.done():
             service.request_stop()
-        assert await asyncio.wait_for(serving, 30) == 0
+        assert await asyncio.wait_for(serving, 60) == 0
 
 
 async def stop(service: AggregatorService) -> None:
     service.request_stop()
-    assert await asyncio.wait_for(service.serving, 30) == 0  # type: ignore[attr-defined]
+    assert await asyncio.wait_for(service.serving, 60) == 0  # type: ignore[attr-defined]
 
 
 def assert_matches_replay(peer: Peer) -> None:

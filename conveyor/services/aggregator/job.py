@@ -65,6 +65,13 @@ class JobContext:
         )
 
 
+def warm_up() -> None:
+    """Pay the first-optimizer cost of the process (torch imports ``torch._dynamo`` lazily on
+    the first ``Optimizer`` built: seconds, more on a loaded machine) before any job needs it.
+    Blocking: call it in a thread at service start."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
 def prepare_job(job_id: str, spec_data: dict[str, Any], plan_data: dict[str, Any]) -> JobContext:
     """Parse the job's spec and ``planned`` data and build version 0. Raises JobFailed."""
     try:

@@ -25,7 +25,7 @@ from conveyor.libs.messages import JobEvent, Topics
 from conveyor.libs.service import Service
 from conveyor.libs.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
-from conveyor.services.aggregator.job import JobFailed, prepare_job
+from conveyor.services.aggregator.job import JobFailed, prepare_job, warm_up
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.runtime import JobAggregator
 
@@ -62,9 +62,11 @@ class AggregatorService(Service):
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._finished: set[str] = set()
         self._changed = asyncio.Event()
+        self._warmed = False
 
     def readiness(self) -> bool:
-        return super().readiness() and self._reader is not None and self._reader.ready
+        ready = super().readiness() and self._reader is not None and self._reader.ready
+        return ready and self._warmed
 
     async def run(self) -> None:
         reader = JobLogReader(
@@ -78,6 +80,7 @@ class AggregatorService(Service):
         try:
             async with Producer(self.kafka) as producer, asyncio.TaskGroup() as group:
                 group.create_task(reader.run(), name="aggregator.jobs")
+                group.create_task(self._warm_up(), name="aggregator.warm_up")
                 self._reader = reader
                 await reader.wait_ready()
                 while True:
@@ -89,6 +92,10 @@ class AggregatorService(Service):
         finally:
             await self._stop_jobs()
             await reader.stop()
+
+    async def _warm_up(self) -> None:
+        await asyncio.to_thread(warm_up)
+        self._warmed = True
 
     async def drain(self) -> None:
         # Leave every job's group now, so the slices move to the other aggregators at once.
@@ -112,7 +119,8 @@ class AggregatorService(Service):
                 failure = None if task.cancelled() else task.exception()
                 if failure is not None:
                     raise failure
-            elif job is None or not self._servable(job):
+            elif (job is None or not self._servable(job)) and not task.cancelling():
+                # Once: a second cancel would cut its consumer's stop short (left unclosed).
                 logger.info("job %s: %s; letting it go", job_id, job.state if job else "gone")
                 task.cancel()
         for job in self.view.list(limit=len(self.view) or 1):
