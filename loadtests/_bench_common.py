@@ -245,13 +245,25 @@ class ConveyorStack:
     Uses ``conveyor up --scale preprocessor=N`` where the CLI has it; otherwise starts the
     extra ``python -m conveyor service preprocessor`` processes itself, with the environment
     ``conveyor up`` gives its services. ``env`` is added to the services' environment (service
-    settings such as ``CONVEYOR_TRAINER_...``). Raises RuntimeError when the stack fails to start.
+    settings such as ``CONVEYOR_TRAINER_...``). ``scale`` asks ``conveyor up --scale`` for N
+    processes of other services (e.g. ``{"trainer": 2, "aggregator": 2}``; needs ``use_scale``).
+    Raises RuntimeError when the stack fails to start.
     """
 
-    def __init__(self, *, preprocessors: int, env: dict[str, str], use_scale: bool) -> None:
+    def __init__(
+        self,
+        *,
+        preprocessors: int,
+        env: dict[str, str],
+        use_scale: bool,
+        scale: dict[str, int] | None = None,
+    ) -> None:
         if preprocessors < 1:
             raise ValueError(f"preprocessors must be >= 1, got {preprocessors}")
+        if scale and not use_scale:
+            raise ValueError("scale needs a `conveyor up` with --scale")
         self.preprocessors = preprocessors
+        self._scale = {name: n for name, n in (scale or {}).items() if name != "preprocessor"}
         self._env = {**os.environ, **env}
         self._use_scale = use_scale
         self.state_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
@@ -262,6 +274,8 @@ class ConveyorStack:
         argv = [sys.executable, "-m", "conveyor", "up", "--state-dir", str(self.state_dir)]
         if self._use_scale and self.preprocessors != 1:
             argv += ["--scale", f"preprocessor={self.preprocessors}"]
+        for name, count in sorted(self._scale.items()):
+            argv += ["--scale", f"{name}={count}"]
         result = subprocess.run(
             [*argv, "--json"], capture_output=True, text=True, env=self._env, check=False
         )

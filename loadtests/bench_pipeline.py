@@ -446,15 +446,22 @@ def run_conveyor(
         stack.stop()
 
     progress_events = [(at, d) for name, at, d in watcher.events if name == "progress"]
+    # The job's totals (optimizer steps = parameter versions, samples applied) come from the
+    # coordinator's reports; the trainer's own reports carry its stage latencies.
     progress = [
-        Progress(at, int(d["step"]), int(d["samples_trained"])) for at, d in progress_events
+        Progress(at, int(d["step"]), int(d["samples_trained"]))
+        for at, d in progress_events
+        if d.get("source") == "coordinator"
     ]
+    trainer_events = [d for _, d in progress_events if d.get("source") != "coordinator"]
     waits = []
     for at, info in watcher.heartbeats:
-        steps = max(1, int(info["step"]))
-        split = info["step_time_s"]
-        busy = split["data_wait"] + split["compute"] + split["update"]
-        waits.append(WaitPoint(at, int(info["step"]), split["data_wait"] * steps, busy * steps))
+        if "step_time_s" not in info or info.get("version") is None:
+            continue  # a leaving trainer's last beat, or one before it joined the job
+        version = int(info["version"])
+        split = info["step_time_s"]  # mean seconds per step of each part, recent window
+        steps, busy = max(1, version), sum(split.values())
+        waits.append(WaitPoint(at, version, split["data_wait"] * steps, busy * steps))
     window = window_after(progress, warmup)
     wait_window = wait_window_after(waits, warmup)
     job_spec = JobSpec.from_dict(spec)
@@ -486,9 +493,7 @@ def run_conveyor(
         "backlog_samples": len(watcher.backlog),
         "max_lead_batches": job_spec.flow.max_lead_batches,
         "backlog_bound": job_spec.flow.max_lead_batches + shard_batches - 1,
-        "stage_latency_s": progress_events[-1][1].get("stage_latency_s", {})
-        if progress_events
-        else {},
+        "stage_latency_s": trainer_events[-1].get("stage_latency_s", {}) if trainer_events else {},
     }
 
 

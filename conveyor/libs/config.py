@@ -103,13 +103,25 @@ class KafkaSettings(_FileAwareSettings):
     )
     heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_poll_interval_s: Annotated[float, Field(gt=0)] = 300.0
-    linger_ms: Annotated[int, Field(ge=0)] = 5
+    linger_ms: Annotated[int, Field(ge=0)] = Field(
+        default=0,
+        description=(
+            "How long a producer holds a record to batch it with others. 0: the gradient "
+            "plane's small control records are latency-bound, batches are large anyway."
+        ),
+    )
     fetch_max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] = Field(
         default=50,
         description=(
-            "Longest a fetch waits at the broker for new records. Short, because every hop "
-            "of the gradient plane (grads -> aggregator -> params -> trainer) waits for it "
-            "(aiokafka's default of 500 ms cost 20-185 ms per hop on the embedded broker)."
+            "Longest a fetch waits at the broker for new records (aiokafka's default is 500 "
+            "ms; the embedded broker tends to hold a fetch this long even when records arrive)."
+        ),
+    )
+    plane_fetch_max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] = Field(
+        default=5,
+        description=(
+            "fetch_max_wait_ms of the gradient plane's readers (control, grads, params topics): "
+            "every training step waits on three of their hops."
         ),
     )
     replication_factor: Annotated[int, Field(ge=1)] = 1
@@ -120,6 +132,10 @@ class KafkaSettings(_FileAwareSettings):
         if not value.strip():
             raise ValueError("bootstrap must name at least one host:port")
         return value
+
+    def for_gradient_plane(self) -> KafkaSettings:
+        """These settings with the gradient plane's short fetch wait."""
+        return self.model_copy(update={"fetch_max_wait_ms": self.plane_fetch_max_wait_ms})
 
 
 class StorageSettings(_FileAwareSettings):

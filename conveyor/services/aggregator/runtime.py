@@ -114,10 +114,11 @@ class JobAggregator:
         return 0 in self.shards
 
     async def run(self) -> None:
+        plane = self.kafka.for_gradient_plane()  # every step waits on these two readers
         async with (
-            TopicTail(self.kafka, self.topics.control(self.ctx.job_id)) as control,
+            TopicTail(plane, self.topics.control(self.ctx.job_id)) as control,
             Consumer(
-                self.kafka,
+                plane,
                 [self._grads_topic],
                 group_id=group_id(self.kafka.topic_prefix, self.ctx.job_id),
                 max_in_flight=self.settings.max_held_slices,

@@ -129,9 +129,10 @@ class JobRunner:
 
     async def run(self) -> None:
         session, kafka = self.session, self._kafka
+        plane = kafka.for_gradient_plane()  # every step waits on these two readers
         async with (
-            TopicTail(kafka, session.plan.control_topic) as control_tail,
-            TopicTail(kafka, session.params_topic, start="last") as params_tail,
+            TopicTail(plane, session.plan.control_topic) as control_tail,
+            TopicTail(plane, session.params_topic, start="last") as params_tail,
         ):
             while not control_tail.caught_up:  # replay: what is applied, where epochs ended
                 self._on_control(await control_tail.get_many(_FOLLOW_POLL_S))
