@@ -286,9 +286,11 @@ class ConveyorStack:
             1 for name, _ in self.processes() if name.startswith("preprocessor")
         )
         for index in range(missing):
-            self._start_extra_preprocessor(index + 2)
+            self.start_service(f"preprocessor-x{index + 2}", "preprocessor")
 
-    def _start_extra_preprocessor(self, index: int) -> None:
+    def start_service(self, name: str, service: str, env: dict[str, str] | None = None) -> None:
+        """Start one more ``python -m conveyor service SERVICE`` process named ``name``, with
+        the environment ``conveyor up`` gives its services plus ``env``; wait until ready."""
         from conveyor.embedded.broker import free_port
 
         port = free_port("127.0.0.1")
@@ -299,11 +301,11 @@ class ConveyorStack:
             "CONVEYOR_TELEMETRY_HTTP_HOST": "127.0.0.1",
             "CONVEYOR_TELEMETRY_HTTP_PORT": str(port),
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
-        name = f"preprocessor-x{index}"
         with open(self.state_dir / "logs" / f"{name}.log", "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "conveyor", "service", "preprocessor"],
+                [sys.executable, "-m", "conveyor", "service", service],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -331,7 +333,7 @@ class ConveyorStack:
         return str(self.state["gateway_url"])
 
     def processes(self) -> list[tuple[str, int]]:
-        """(name, pid) of every process of the stack: broker, services, extra preprocessors."""
+        """(name, pid) of every process of the stack: broker, services, extra processes."""
         found: list[tuple[str, int]] = []
         if self.state.get("broker"):
             found.append(("broker", int(self.state["broker"]["pid"])))
@@ -352,7 +354,7 @@ class ConveyorStack:
         return {name: runqueue_wait_seconds(pid) for name, pid in self.processes()}
 
     def stop(self) -> None:
-        """``conveyor down``, then the extra preprocessors; removes the state directory."""
+        """``conveyor down``, then the extra processes; removes the state directory."""
         for _, process in self._extras:
             process.terminate()
         subprocess.run(

@@ -248,6 +248,10 @@ class DistributionSpec(_Spec):
     """sync: every step waits for all members; ssp: bounded-staleness async."""
     staleness: int = Field(default=2, ge=0, le=1000)
     """ssp: a contribution computed on version v applies while current - v <= staleness."""
+    allocation: Literal["adaptive", "equal"] = "adaptive"
+    """adaptive: each trainer's micro-batches per step, and its share of the batches (the
+    routing of batches to partitions), follow its measured throughput; equal: the step is
+    split equally and batches are not routed (each trainer reads an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
 
 

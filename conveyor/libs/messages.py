@@ -25,6 +25,7 @@ annotations must resolve at import time (import ``Tensor`` for real, not under
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -325,7 +326,7 @@ class JobEvent(Message):
     """Event-specific details (the spec on submit, the reason on failure, ...)."""
 
 
-@message("ShardTask", version=1)
+@message("ShardTask", version=2)
 @dataclass(kw_only=True, slots=True)
 class ShardTask(Message):
     """Work for one preprocessor on ``Topics.shards``: turn a shard's samples into batches."""
@@ -353,12 +354,21 @@ class ShardTask(Message):
     released_at: float = 0.0
     """When the sharder released the task, unix time in seconds (0.0: not released by a
     sharder); becomes the ``released`` timestamp of the shard's batches."""
+    routing: list[float] = dataclasses.field(default_factory=list)
+    """One weight per partition of the job's batches topic (>= 0, positive sum): each batch
+    goes to the partition :func:`conveyor.libs.routing.choose_partition` picks from its id.
+    Empty: unweighted (the key's hash picks). Added in version 2."""
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.routing and not (
+            all(math.isfinite(w) and w >= 0 for w in self.routing) and sum(self.routing) > 0
+        ):
+            raise ValueError(f"routing weights must be finite, >= 0 with a positive sum, "
+                             f"got {self.routing!r}")  # fmt: skip
 
 
 @message("Batch", version=1)

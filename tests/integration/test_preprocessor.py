@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettin
 from conveyor.libs.datasets import open_dataset
 from conveyor.libs.messages import Batch, JobEvent, Message, ShardTask, Topics
 from conveyor.libs.plan import JobPlan
+from conveyor.libs.routing import choose_partition
 from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
 from conveyor.services.preprocessor.service import PreprocessorService
 
@@ -116,6 +118,8 @@ class TopicReader:
     def __init__(self, kafka: KafkaSettings, topic: str) -> None:
         self.topic = topic
         self.records: list[tuple[Message, dict[str, bytes], float]] = []
+        self.partitions: dict[str, int] = {}
+        """Batch id -> the partition it was read from."""
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=kafka.bootstrap, enable_auto_commit=False
         )
@@ -143,7 +147,10 @@ class TopicReader:
             assert time.monotonic() < deadline, f"timed out with {len(self.records)} records"
             for records in (await self._consumer.getmany(timeout_ms=200)).values():
                 for r in records:
-                    self.records.append((decode(r.value), dict(r.headers or []), time.time()))
+                    message = decode(r.value)
+                    self.records.append((message, dict(r.headers or []), time.time()))
+                    if isinstance(message, Batch):
+                        self.partitions[message.batch_id] = r.partition
 
 
 def batch_ids_in(messages: list[Message]) -> set[str]:
@@ -178,6 +185,10 @@ async def test_tasks_become_batches_with_traces_and_commits(
     tasks = shard_tasks("job1", DIGITS, 1797, 4)
     tasks += shard_tasks("job1", DIGITS, 1797, 25)[-2:]  # eval shards: 359 samples, 6 tasks
     assert {t.split for t in tasks} == {"train", "eval"}
+    # Routed tasks (the coordinator's weights, stamped by the sharder): all batches of task 1
+    # to partition 1, those of the eval task 4 as the weighted choice picks; the rest by key.
+    tasks[1] = dataclasses.replace(tasks[1], routing=[0.0, 1.0])
+    tasks[4] = dataclasses.replace(tasks[4], routing=[0.3, 0.7])
     x_all, y_all = open_dataset(DIGITS).read(list(range(1797)))
     async with running(kafka_settings), TopicReader(kafka_settings, topics.batches("job1")) as out:
         await publish_tasks(kafka_settings, tasks)
@@ -196,6 +207,12 @@ async def test_tasks_become_batches_with_traces_and_commits(
             assert set(batch.timestamps) == STAMPS
             assert batch.timestamps["released"] == task.released_at
             assert "traceparent" in headers
+            if task.routing:
+                expected = choose_partition(batch.batch_id, task.routing)
+                assert out.partitions[batch.batch_id] == expected
+    assert {out.partitions[f"{tasks[1].shard_id}:b{k:03d}"] for k in range(4)} == {1}
+    unrouted = [b for t in tasks if not t.routing for b in expected_ids([t])]
+    assert {out.partitions[b] for b in unrouted} == {0, 1}  # the key's hash spreads them
 
     finished = spans.get_finished_spans()
     process = [s for s in finished if s.name == f"process {topics.shards}"]

@@ -2,7 +2,8 @@
 
 A digits job (2 epochs) runs through the real sharder, a preprocessor, two aggregators (K = 2
 slices) and two trainers: it must complete with a good accuracy and an exactly-once ledger
-(written by the coordinator), also when one trainer process is killed (SIGKILL) mid-epoch.
+(written by the coordinator), also when one trainer process is killed (SIGKILL) mid-epoch, and
+a slowed trainer must get fewer batches than a fast one (throughput-weighted routing).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettin
 from conveyor.libs.datasets import open_dataset
 from conveyor.libs.jobspec import JobSpec
 from conveyor.libs.jobview import JobLogReader, JobsView, JobView
-from conveyor.libs.messages import Heartbeat, JobEvent, Topics
+from conveyor.libs.messages import Heartbeat, JobEvent, StepClose, Topics
 from conveyor.libs.plan import split_ids
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.service import AggregatorService
@@ -89,12 +90,14 @@ def telemetry() -> TelemetrySettings:
     return TelemetrySettings(otlp_endpoint=None)
 
 
-def trainer(kafka: KafkaSettings, name: str) -> TrainerService:
+def trainer(kafka: KafkaSettings, name: str, delay_s: float = 0.0) -> TrainerService:
+    """An in-process trainer; ``delay_s`` per micro-batch emulates a slower device."""
     settings = TrainerSettings(
         worker_id=name,
         progress_interval_s=0.2,
         heartbeat_interval_s=0.5,
         member_timeout_s=MEMBER_TIMEOUT_S,
+        simulated_step_delay_s=delay_s,
     )
     return TrainerService(settings=settings, kafka=kafka, telemetry=telemetry())
 
@@ -175,9 +178,11 @@ async def job_log(kafka: KafkaSettings) -> AsyncIterator[tuple[Topics, Jobs]]:
         await jobs.reader.stop()
 
 
-async def submit(kafka: KafkaSettings, topics: Topics, job_id: str) -> None:
+async def submit(
+    kafka: KafkaSettings, topics: Topics, job_id: str, spec: dict[str, Any] = SPEC
+) -> None:
     async with Producer(kafka) as producer:
-        data = {"spec": JobSpec.from_dict(SPEC).to_dict(), "idempotency_key": None}
+        data = {"spec": JobSpec.from_dict(spec).to_dict(), "idempotency_key": None}
         message = JobEvent(job_id=job_id, event="submitted", at=time.time(), data=data)
         await producer.publish(topics.jobs, message, key=job_id)
 
@@ -289,6 +294,55 @@ async def follow(kafka: KafkaSettings, topic: str, into: list[Any]) -> None:
     async with TopicTail(kafka, topic) as tail:
         while True:
             into += [r.message for r in await tail.get_many(0.5)]
+
+
+async def test_a_slow_trainer_gets_fewer_batches_and_a_fast_one_more(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """Throughput-weighted routing: one of two trainers is ~10x slower per micro-batch. The
+    coordinator allocates 3 + 1 micro-batches per step (each takes at least one) and routes
+    the batches so that each trainer *receives* its share; the fast one trains ~3x the
+    samples (without routing, each would own half of every epoch's batches)."""
+    objects, job_id = tmp_path / "objects", "digitsrouted"
+    spec = {
+        **SPEC,
+        # 4 micro-batches per step; 90 train batches per epoch.
+        "training": {**SPEC["training"], "global_batch_size": 64, "micro_batch_size": 16},
+        "flow": {"max_lead_batches": 16, "shard_size": 32},
+    }
+    async with (
+        job_log(kafka) as (topics, jobs),
+        pipeline(kafka, objects),
+        running(trainer(kafka, "t-fast")),
+        running(trainer(kafka, "t-slow", delay_s=0.04)),
+    ):
+        await submit(kafka, topics, job_id, spec)
+        await jobs.wait_for(lambda: jobs.of("planned", job_id))
+        control: list[Any] = []  # read while the job runs: its topics go when it ends
+        following = asyncio.create_task(follow(kafka, topics.control(job_id), control))
+        await jobs.wait_for(lambda: jobs.of("completed", job_id))
+        following.cancel()
+
+    assert_completed(jobs, job_id, objects)  # exactly-once ledger, accuracy, both epochs
+    trained = {
+        name: jobs.of("progress", job_id, worker_id=name)[-1]["samples_trained"]
+        for name in ("t-fast", "t-slow")
+    }
+    assert trained["t-slow"] > 0 and trained["t-fast"] >= 1.8 * trained["t-slow"], trained
+    closes = [m for m in control if isinstance(m, StepClose)]
+    assert {"t-fast": 3, "t-slow": 1} in [c.allocation for c in closes]
+    # The routing the coordinator published: 4 partitions, the fast one's weighted 3:1.
+    owned: dict[str, list[int]] = {}
+    for name in ("t-fast", "t-slow"):
+        beats = [b for b in control if isinstance(b, Heartbeat) and b.worker_id == name]
+        reported: list[list[int]] = [b.info["batches_partitions"] for b in beats]
+        owned[name] = max(reported, key=reported.count)  # what it held most of the job
+    assert sorted(owned["t-fast"] + owned["t-slow"]) == [0, 1, 2, 3]
+    routings = [p["routing"] for p in jobs.of("progress", job_id, worker_id="coordinator")
+                if "routing" in p]  # fmt: skip
+    assert routings and all(len(r) == 4 and sum(r) == pytest.approx(1.0) for r in routings)
+    usual = max(routings, key=routings.count)  # before throughputs are known: equal
+    assert sum(usual[p] for p in owned["t-fast"]) == pytest.approx(0.75), routings
 
 
 def trainer_process(kafka: KafkaSettings, name: str, delay_s: float) -> subprocess.Popen[bytes]:

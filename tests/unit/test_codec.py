@@ -291,6 +291,10 @@ def test_v1_schemas_round_trip() -> None:
             job_id="j1", shard_id="s", epoch=1, index=0, split="eval", dataset_uri="builtin://x",
             sample_ids=list(range(10)), micro_batch_size=4, seed=7, preprocess={"augment": []},
         ),
+        ShardTask(
+            job_id="j1", shard_id="s", epoch=1, index=0, split="train", dataset_uri="builtin://x",
+            sample_ids=[3], micro_batch_size=4, seed=7, preprocess={}, routing=[0.5, 0, 0.5],
+        ),
         Heartbeat(job_id="j1", worker_id="w", role="trainer", at=1.0, info={"gpu": None}),
     ]  # fmt: skip
     for original in plain_messages:
@@ -616,6 +620,23 @@ def test_decode_runs_the_schema_checks() -> None:
     header["x"] = {"dtype": "uint8", "shape": [1, 4], "offset": 0, "nbytes": 4}
     with pytest.raises(MalformedMessage, match=r"x must be uint8 \[B,C,H,W\]"):
         decode(raw_message(header, bytes(72)))
+
+
+def test_shard_task_v2_routing_is_checked_and_v1_is_refused() -> None:
+    header = {
+        "v": 2, "type": "ShardTask", "job_id": "j", "shard_id": "s", "epoch": 0, "index": 0,
+        "split": "train", "dataset_uri": "builtin://x", "sample_ids": [1], "micro_batch_size": 1,
+        "seed": 0, "preprocess": {}, "released_at": 0.0, "routing": [1, 0.5],
+    }  # fmt: skip
+    decoded = decode(packed(header))
+    assert isinstance(decoded, ShardTask) and decoded.routing == [1, 0.5]
+    with pytest.raises(MalformedMessage, match="routing"):
+        decode(packed({**header, "routing": [1, "0.5"]}))
+    with pytest.raises(MalformedMessage, match="routing weights"):
+        decode(packed({**header, "routing": [0.0, -1.0]}))
+    v1 = {k: v for k, v in header.items() if k != "routing"} | {"v": 1}
+    with pytest.raises(UnsupportedVersion, match="ShardTask version 1, supported: 2"):
+        decode(packed(v1))
 
 
 @pytest.mark.parametrize(

@@ -31,13 +31,16 @@ def spec(**distribution: Any) -> JobSpec:
     })  # fmt: skip
 
 
-def coordinator(train: int = 8, evals: int = 2, **distribution: Any) -> Coordinator:
+def coordinator(
+    train: int = 8, evals: int = 2, partitions: int | None = None, **distribution: Any
+) -> Coordinator:
     config = CoordinatorConfig(
         job_id=JOB,
         spec=spec(**distribution),
         train_batches_per_epoch=train,
         eval_batches_per_epoch=evals,
         member_timeout_s=10.0,
+        batches_partitions=partitions,
     )
     return Coordinator(config)
 
@@ -234,6 +237,63 @@ def test_allocation_is_proportional_and_sums_to_the_step() -> None:
     for total in range(3, 40):
         counts = allocate({"a": 3.3, "b": 7.1, "c": 0.2}, total)
         assert sum(counts.values()) == total and min(counts.values()) >= 1
+
+
+def test_routing_gives_each_trainer_the_share_it_consumes() -> None:
+    c = coordinator(partitions=4)
+    assert c.routing(T0) is None  # nobody known yet: unweighted
+    c.fold(beat("fast", T0, batches_partitions=[0, 1]))
+    c.fold(beat("slow", T0, batches_partitions=[3, 2]))
+    assert c.routing(T0) == pytest.approx([0.25] * 4)  # no throughput yet: equal per member
+    c.fold(beat("fast", T0 + 1, 300.0, batches_partitions=[0, 1]))
+    c.fold(beat("slow", T0 + 1, 100.0, batches_partitions=[2, 3]))
+    # Sync: the allocation (3 + 1 of 4 micro-batches per step) is what each one consumes.
+    assert c.allocation(T0 + 1) == {"fast": 3, "slow": 1}
+    assert c.routing(T0 + 1) == pytest.approx([0.375, 0.375, 0.125, 0.125])
+    c.fold(beat("slow", T0 + 2, 1.0, batches_partitions=[2, 3]))
+    # 300:1, but a trainer takes at least one micro-batch per step: 3:1 still.
+    assert c.routing(T0 + 2) == pytest.approx([0.375, 0.375, 0.125, 0.125])
+    # The slow one dies: its partitions move to the fast one, which reports them.
+    c.fold(beat("fast", T0 + 13, 300.0, batches_partitions=[0, 1, 2, 3]))
+    assert c.routing(T0 + 13) == pytest.approx([0.25] * 4)
+    # A StepClose allocates as the routing weights.
+    c.fold(beat("slow", T0 + 13, 100.0, batches_partitions=[2, 3]))
+    c.fold(contrib("fast", 0, [batch(0, 0)], at=T0 + 13))
+    c.fold(contrib("slow", 0, [batch(0, 1)], at=T0 + 13))
+    close = c.decide(T0 + 13).close
+    assert close is not None and close.allocation == {"fast": 3, "slow": 1}
+
+
+def test_ssp_routing_follows_throughput() -> None:
+    c = coordinator(partitions=3, mode="ssp")
+    c.fold(beat("a", T0, 500.0, batches_partitions=[0]))
+    c.fold(beat("b", T0, 100.0, batches_partitions=[1, 2]))
+    c.fold(beat("c", T0, batches_partitions=[]))  # no partition (more trainers than them)
+    assert c.routing(T0) == pytest.approx([5 / 6, 1 / 12, 1 / 12])
+
+
+def test_equal_allocation_splits_evenly_and_routes_nothing() -> None:
+    c = coordinator(partitions=4, allocation="equal")
+    c.fold(beat("fast", T0, 300.0, batches_partitions=[0, 1]))
+    c.fold(beat("slow", T0, 100.0, batches_partitions=[2, 3]))
+    assert c.allocation(T0) == {"fast": 2, "slow": 2}
+    assert c.routing(T0) is None
+    c.fold(contrib("fast", 0, [batch(0, 0), batch(0, 1)]))
+    c.fold(contrib("slow", 0, [batch(0, 2), batch(0, 3)]))
+    close = c.decide(T0).close
+    assert close is not None and close.allocation == {"fast": 2, "slow": 2}
+    # Without the plan's partition count there is nothing to route either.
+    assert coordinator().routing(T0) is None
+
+
+def test_membership_reads_batches_partitions() -> None:
+    c = coordinator(partitions=4)
+    c.fold(beat("a", T0, 1.0, batches_partitions=[3, 1, 1]))
+    c.fold(beat("b", T0, 1.0, batches_partitions=[0, "x"]))  # invalid: none known
+    c.fold(beat("d", T0, 1.0))
+    a, b, d = c.members.live(T0)
+    assert a.batches_partitions == (1, 3)
+    assert b.batches_partitions == () and d.batches_partitions == ()
 
 
 def test_lr_schedule_follows_the_steps() -> None:

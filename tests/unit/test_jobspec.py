@@ -51,6 +51,7 @@ def test_minimal_spec_gets_documented_defaults() -> None:
     assert spec.preprocess.normalize is None and spec.preprocess.augment == []
     assert spec.training.precision == "fp32" and spec.training.seed == 0
     assert spec.distribution.trainers == 1 and spec.distribution.mode == "sync"
+    assert spec.distribution.allocation == "adaptive"
     assert spec.distribution.compression.kind == "none"
     assert spec.flow.max_lead_batches == 64
     assert spec.resources.device == "auto"
@@ -106,6 +107,7 @@ def test_synthetic_example_augments() -> None:
         ("distribution.trainers", 0, ("distribution", "trainers"), "greater than or equal"),
         ("distribution.staleness", -1, ("distribution", "staleness"), "greater than or equal"),
         ("distribution.mode", "async", ("distribution", "mode"), "'sync' or 'ssp'"),
+        ("distribution.allocation", "fair", ("distribution", "allocation"), "'adaptive' or"),
         ("resources.device", "tpu", ("resources", "device"), "pattern"),
         ("resources.memory_fraction", 1.5, ("resources", "memory_fraction"), "less than"),
         ("checkpoint.uri", "ftp://x", ("checkpoint", "uri"), "file://"),

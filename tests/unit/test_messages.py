@@ -29,12 +29,16 @@ def unique_name() -> str:
     return f"tests.messages.{uuid.uuid4().hex[:8]}"
 
 
-def test_v1_schemas_are_registered_with_name_and_version() -> None:
+def test_schemas_are_registered_with_name_and_version() -> None:
     registry = registered_messages()
-    for cls in (DeadLetter, JobEvent, ShardTask, Batch, Heartbeat):
+    classes = (DeadLetter, JobEvent, ShardTask, Batch, Heartbeat)
+    for cls in classes:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
-        assert cls.VERSION == 1
+    versions = {cls.TYPE: cls.VERSION for cls in classes}
+    assert versions == {  # ShardTask v2: + routing
+        "DeadLetter": 1, "JobEvent": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 1,
+    }  # fmt: skip
 
 
 def test_batch_field_specs_follow_the_annotations() -> None:
@@ -215,6 +219,11 @@ def test_shard_task_checks_split_and_batch_size() -> None:
         ShardTask(**{**fields, "split": "validation"})
     with pytest.raises(ValueError, match="micro_batch_size"):
         ShardTask(**{**fields, "micro_batch_size": 0})
+    assert ShardTask(**fields).routing == []  # unweighted
+    assert ShardTask(**fields, routing=[0.0, 0.75, 0.25]).routing == [0.0, 0.75, 0.25]
+    for routing in ([0.0, 0.0], [0.5, -0.5, 1.0], [float("nan"), 1.0], [float("inf")]):
+        with pytest.raises(ValueError, match="routing"):
+            ShardTask(**fields, routing=routing)
 
 
 def test_topic_names() -> None:

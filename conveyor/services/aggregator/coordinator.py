@@ -19,6 +19,11 @@ an already-applied batch ("duplicate batches"); once training is finished every 
 is rejected ("training finished"), so each one gets an answer. Nothing is decided while an
 earlier decision has not come back through the log.
 
+Allocation (``distribution.allocation``): adaptive gives each live trainer micro-batches per
+step in proportion to its measured throughput and publishes a ``routing`` of the batches
+topic's partitions (:meth:`Coordinator.routing`) so that each trainer also *receives* that
+share of the batches; equal splits each step equally and routes nothing.
+
 The learning-rate schedule's step: sync counts non-empty steps; ssp counts applied train
 batches / micro_batches_per_step (an ssp step holds one trainer's share). ``max_steps`` caps
 the version (what every trainer sees in the StepCloses, so all stop at the same point).
@@ -42,6 +47,7 @@ from conveyor.libs.messages import (
 )
 from conveyor.libs.optim import lr_at
 from conveyor.libs.plan import parse_batch_id
+from conveyor.libs.routing import partition_weights
 from conveyor.services.aggregator.epochs import EpochBook
 from conveyor.services.aggregator.membership import Membership, allocate
 
@@ -61,6 +67,8 @@ class CoordinatorConfig:
     """From the sharder's plan."""
     member_timeout_s: float = 10.0
     """A trainer not heard from for this long is no longer waited for."""
+    batches_partitions: int | None = None
+    """Partitions of the job's batches topic (from the sharder's plan); None: no routing."""
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -92,6 +100,7 @@ class Coordinator:
         distribution = config.spec.distribution
         self.sync = distribution.mode == "sync"
         self.staleness_bound = 0 if self.sync else distribution.staleness
+        self.adaptive = distribution.allocation == "adaptive"
         self.members = Membership(config.member_timeout_s)
         self.version = 0
         """Latest applied version."""
@@ -194,6 +203,33 @@ class Coordinator:
         """Applied train batches + covered eval batches (the sharder's flow control)."""
         return self.epochs.applied_train_batches + self.epochs.covered_eval_batches
 
+    def allocation(self, now: float) -> dict[str, int]:
+        """Micro-batches per live member for the next step (empty without live members):
+        adaptive: proportional to each one's throughput; equal: an equal split."""
+        live = self.members.live(now)
+        if not live:
+            return {}
+        throughputs = {m.worker_id: m.samples_per_second if self.adaptive else None
+                       for m in live}  # fmt: skip
+        return allocate(throughputs, self.config.micro_batches_per_step)
+
+    def routing(self, now: float) -> list[float] | None:
+        """Weights of the batches topic's partitions (sum 1) that give each live member the
+        share of the batches it consumes: sync, its allocation per step (at least 1, what a
+        trainer takes); ssp, its throughput (each trainer steps at its own pace). None with
+        equal allocation, an unknown partition count, or no member reporting partitions."""
+        partitions = self.config.batches_partitions
+        if not self.adaptive or partitions is None:
+            return None
+        live = self.members.live(now)
+        if self.sync:
+            counts = self.allocation(now)
+            rates: dict[str, float | None] = {w: float(max(1, n)) for w, n in counts.items()}
+        else:
+            rates = {m.worker_id: m.samples_per_second for m in live}
+        owners = [(rates[m.worker_id], m.batches_partitions) for m in live]
+        return partition_weights(owners, partitions)
+
     @property
     def schedule_step(self) -> int:
         """The step the learning-rate schedule counts (module docstring)."""
@@ -293,7 +329,6 @@ class Coordinator:
     def _close(self, included: list[Contribution], now: float) -> StepClose:
         batch_ids = [b for c in included for b in c.batch_ids]
         epochs = [parse_batch_id(b).epoch for b in batch_ids]
-        live = {m.worker_id: m.samples_per_second for m in self.members.live(now)}
         return StepClose(
             job_id=self.config.job_id,
             version=self.version + 1,
@@ -302,7 +337,7 @@ class Coordinator:
             num_samples=sum(c.num_samples for c in included),
             epoch=min(epochs, default=self.current_epoch),
             lr=self._lr(),
-            allocation=allocate(live, self.config.micro_batches_per_step) if live else {},
+            allocation=self.allocation(now),
             closed_at=now,
         )
 

@@ -48,6 +48,8 @@ class JobContext:
     sample_shape: tuple[int, int, int]
     train_batches_per_epoch: int
     eval_batches_per_epoch: int
+    batches_partitions: int | None
+    """Partitions of the job's batches topic (None: the plan does not say; no routing)."""
     layout: ParamLayout
     bounds: list[tuple[int, int]]
     """[start, stop) of each slice of the flat parameters."""
@@ -87,6 +89,9 @@ def prepare_job(job_id: str, spec_data: dict[str, Any], plan_data: dict[str, Any
         evaluation = _int(plan_data, "eval_batches_per_epoch", 0)
         if (train, evaluation) != (plan.train_batches_per_epoch, plan.eval_batches_per_epoch):
             raise ValueError("the planned batch counts do not match the job's plan")
+        batches_partitions = (
+            _int(plan_data, "batches_partitions", 1) if "batches_partitions" in plan_data else None
+        )
     except ValueError as exc:
         raise JobFailed(f"invalid job: {exc}") from exc
     try:
@@ -104,6 +109,7 @@ def prepare_job(job_id: str, spec_data: dict[str, Any], plan_data: dict[str, Any
         sample_shape=sample_shape,
         train_batches_per_epoch=train,
         eval_batches_per_epoch=evaluation,
+        batches_partitions=batches_partitions,
         layout=layout,
         bounds=layout.slice_bounds(spec.distribution.aggregator_shards),
         initial=layout.flatten_params(model),

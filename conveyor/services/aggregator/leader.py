@@ -58,7 +58,7 @@ class Leader:
         self._completion: asyncio.Task[None] | None = None
         self._announced: set[int] = set()
         self._progress_at = 0.0
-        self._progress_key: tuple[int, int] | None = None
+        self._progress_key: tuple[Any, ...] | None = None
 
     async def act(self) -> None:
         """One pass: decide and publish, then progress, epoch results and the job's end."""
@@ -98,12 +98,15 @@ class Leader:
 
     async def _progress(self, *, force: bool = False) -> None:
         c = self.coordinator
-        key = (c.version, c.consumed_batches)
+        routing = c.routing(time.time())
+        # A routing that moved by less than a percent point is not news on its own.
+        rounded = None if routing is None else tuple(round(w, 2) for w in routing)
+        key = (c.version, c.consumed_batches, rounded)
         now = time.monotonic()
         if key == self._progress_key or (not force and now - self._progress_at < self.interval):
             return
         self._progress_key, self._progress_at = key, now
-        await self._event("progress", {
+        data: dict[str, Any] = {
             "worker_id": COORDINATOR_WORKER_ID,
             "source": COORDINATOR_WORKER_ID,
             "consumed_batches": c.consumed_batches,
@@ -113,7 +116,10 @@ class Leader:
             "epoch": c.current_epoch,
             "samples_trained": c.samples_trained,
             "loss": c.last_loss,
-        })  # fmt: skip
+        }
+        if routing is not None:
+            data["routing"] = routing  # the sharder stamps it into the shard tasks it releases
+        await self._event("progress", data)
 
     @property
     def interval(self) -> float:

@@ -28,6 +28,8 @@ class Member:
     samples_per_second: float | None = None
     """Its own compute throughput from its latest heartbeat."""
     data_wait_ratio: float | None = None
+    batches_partitions: tuple[int, ...] = ()
+    """Partitions of the job's batches topic its consumer owns, from its latest heartbeat."""
 
 
 def _positive(value: Any) -> float | None:
@@ -40,6 +42,15 @@ def _ratio(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def _partitions(value: Any) -> tuple[int, ...]:
+    """A heartbeat's ``batches_partitions`` (a list of partition numbers); () when invalid."""
+    if not isinstance(value, list):
+        return ()
+    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in value):
+        return ()
+    return tuple(sorted(set(value)))
 
 
 def _data_wait_ratio(info: dict[str, Any]) -> float | None:
@@ -80,6 +91,7 @@ class Membership:
         if member.last_seen_at == beat.at:  # the newest news wins
             member.samples_per_second = _positive(beat.info.get("samples_per_second"))
             member.data_wait_ratio = _data_wait_ratio(beat.info)
+            member.batches_partitions = _partitions(beat.info.get("batches_partitions"))
 
     def seen(self, worker_id: str, at: float) -> Member:
         """Record a sign of life of ``worker_id`` at sender time ``at``."""

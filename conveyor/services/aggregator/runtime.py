@@ -85,6 +85,7 @@ class JobAggregator:
                 train_batches_per_epoch=ctx.train_batches_per_epoch,
                 eval_batches_per_epoch=ctx.eval_batches_per_epoch,
                 member_timeout_s=settings.member_timeout_s,
+                batches_partitions=ctx.batches_partitions,
             )
         )
         self.leader = Leader(

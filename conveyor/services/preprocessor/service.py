@@ -6,7 +6,10 @@ Per task, inside a CONSUMER span ``process <shards topic>`` that continues the t
 1. the job's batches topic must exist, else the job ended: the task is dropped (acked);
 2. read (span ``shard read``) and augment + collate (span ``preprocess``) in a worker thread,
    so the event loop, and with it the consumer's heartbeats, never stalls;
-3. send every batch (key = batch id, pipelined), then wait for all the broker's acks;
+3. send every batch (key = batch id, pipelined), then wait for all the broker's acks; a task
+   with a ``routing`` sends each batch to the partition it picks for the batch id
+   (:func:`~conveyor.libs.routing.choose_partition`: stable, so a redone task routes alike),
+   one without to the partition of the key's hash;
 4. only then does ``Consumer.run`` ack the task. A process killed before that leaves the task
    uncommitted: the group redelivers it and the same batch ids are produced again.
 
@@ -42,6 +45,7 @@ from conveyor.libs.bus import (
 from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.libs.datasets import DatasetError
 from conveyor.libs.messages import Batch, JobEvent, ShardTask, Topics
+from conveyor.libs.routing import choose_partition
 from conveyor.libs.service import Service
 from conveyor.libs.telemetry import counter, gauge, histogram
 from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
@@ -166,7 +170,7 @@ class PreprocessorService(Service):
             await self._fail_job(task, f"shard {task.shard_id}: {exc}")
             return
         try:
-            sent = await self._send(topic, batches)
+            sent = await self._send(topic, batches, task.routing)
         except RecordTooLarge as exc:
             await self._fail_job(task, f"shard {task.shard_id}: {exc}")
             return
@@ -200,17 +204,20 @@ class PreprocessorService(Service):
         with self.busy.busy():
             return await asyncio.to_thread(function, *args)
 
-    async def _send(self, topic: str, batches: list[Batch]) -> bool:
-        """Send every batch, wait for every ack. False when the topic vanished (job ended).
-        RecordTooLarge (a batch over the size limit: the job's fault) and other bus errors
-        propagate; the task is then not acked."""
+    async def _send(self, topic: str, batches: list[Batch], routing: list[float]) -> bool:
+        """Send every batch (to the partition ``routing`` picks, when given), wait for every
+        ack. False when the topic vanished (job ended). RecordTooLarge (a batch over the size
+        limit: the job's fault) and other bus errors propagate; the task is then not acked."""
         assert self._producer is not None
         acks: list[asyncio.Future[RecordMetadata]] = []
         error: BusError | None = None
         try:
             for batch in batches:
                 batch.timestamps["sent"] = time.time()
-                acks.append(await self._producer.send(topic, batch, key=batch.batch_id))
+                partition = choose_partition(batch.batch_id, routing) if routing else None
+                acks.append(
+                    await self._producer.send(topic, batch, key=batch.batch_id, partition=partition)
+                )
         except BusError as exc:
             error = exc
         results = await asyncio.gather(*acks, return_exceptions=True)

@@ -20,6 +20,7 @@ from conveyor.libs.bus import Received
 from conveyor.libs.jobspec import JobSpec
 from conveyor.libs.messages import JobEvent, Topics
 from conveyor.libs.plan import JobPlan
+from conveyor.libs.routing import parse_routing
 from conveyor.services.sharder.flow import FlowControl
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class JobRecord:
     spec_error: str | None
     consumed: int = 0
     """Batches finished, from the coordinator's latest progress event."""
+    routing: list[float] = field(default_factory=list)
+    """Weights of the batches topic's partitions from the coordinator's latest progress event
+    (empty: unweighted), stamped into every shard task released."""
     planned_seen: bool = False
     """A ``planned`` event for the job is in the log (do not publish another)."""
     cancel_requested: bool = False
@@ -169,3 +173,5 @@ def _fold_progress(job: JobRecord, data: dict[str, Any]) -> None:
         return
     # Latest wins: a new coordinator after a failover rebuilds the same count from the log.
     job.consumed = max(0, consumed)
+    # Latest wins too: a report without routing (equal allocation, no trainer known) clears it.
+    job.routing = parse_routing(data.get("routing")) or []

@@ -11,7 +11,8 @@ picks its sharder; a rebalance is failover) and folds every event into the
 - not planned yet: parse the spec, open the dataset in a thread (``dataset_open_timeout_s``),
   make the :class:`~.plan.JobPlan`, create the job topics, publish ``planned`` (unless the log
   already has one); a bad spec or unreadable dataset publishes ``failed`` with the reason;
-- planned: release the tasks :class:`~.flow.FlowControl` allows, await their acks.
+- planned: release the tasks :class:`~.flow.FlowControl` allows, await their acks; each task
+  carries the routing of the coordinator's latest progress (:mod:`conveyor.libs.routing`).
 
 Acting only when caught up means a restarted sharder first replays a job's events (its
 ``submitted`` record was never committed past) and then continues from the consumed cursor of
@@ -298,6 +299,13 @@ class SharderService(Service):
         if not tasks:
             return
         preprocess = spec.preprocess.model_dump(mode="json")
+        # A routing for another partition count (a coordinator with another plan of the
+        # job, a bug) would make preprocessors send to partitions that do not exist.
+        partitions = self._batches_partitions(job)
+        routing = job.routing if len(job.routing) == partitions else []
+        if job.routing and not routing:
+            logger.warning("job %s: ignoring a routing of %d partitions (topic has %d)",
+                           job.job_id, len(job.routing), partitions)  # fmt: skip
         links = [Link(job.plan_span)] if job.plan_span is not None else []
         acks = []
         for task_index in tasks:
@@ -314,6 +322,7 @@ class SharderService(Service):
                 seed=plan.seed,
                 preprocess=preprocess,
                 released_at=time.time(),
+                routing=routing,
             )
             # Each shard starts its own trace (the one its batches follow), linked to the plan.
             with self._tracer.start_as_current_span(

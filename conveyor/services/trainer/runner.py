@@ -497,6 +497,11 @@ class JobRunner:
             "held_batches": self.book.held,
             "in_flight": consumer.in_flight if consumer is not None else 0,
         }
-        return self.figures.heartbeat(
+        info = self.figures.heartbeat(
             epoch=self.control.current_epoch, version=self.loaded_version, queues=queues
         )
+        # What the coordinator weights the routing of batches by (conveyor.libs.routing).
+        topic = self.session.plan.batches_topic
+        owned = consumer.assignment() if consumer is not None else frozenset()
+        info["batches_partitions"] = sorted(tp.partition for tp in owned if tp.topic == topic)
+        return info
