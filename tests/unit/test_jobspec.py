@@ -220,3 +220,23 @@ def test_spec_is_immutable() -> None:
     spec = JobSpec.model_validate(BASE)
     with pytest.raises(ValidationError):
         spec.name = "other"  # type: ignore[misc]
+
+
+def test_the_readmes_distribution_snippet_validates() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in readme.split("```yaml")[1:]]
+    snippet = next(block.split("```")[0] for block in blocks if "distribution:" in block)
+    spec = JobSpec.from_yaml(
+        "name: readme\nmodel: {name: small_cnn}\n"
+        "dataset: {uri: 'builtin://sklearn-digits'}\n"
+        "training: {epochs: 1, global_batch_size: 64, micro_batch_size: 32,"
+        " optimizer: {name: sgd, lr: 0.1}}\n" + snippet
+    )
+    distribution = spec.distribution
+    assert (distribution.trainers, distribution.aggregator_shards) == (2, 2)
+    assert (distribution.mode, distribution.staleness, distribution.allocation) == (
+        "sync",
+        2,
+        "adaptive",
+    )
+    assert (distribution.compression.kind, distribution.compression.ratio) == ("topk", 0.01)
