@@ -9,18 +9,15 @@ a slowed trainer must get fewer batches than a fast one (throughput-weighted rou
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from opentelemetry import trace
@@ -28,22 +25,21 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
+from plane_harness import (
+    MEMBER_TIMEOUT_S,
+    Jobs,
+    assert_exactly_once,
+    follow,
+    job_log,
+    pipeline,
+    running,
+    submit,
+    trainer,
+)
 
 from conveyor.libs.bus import Producer, TopicSpec, TopicTail, ensure_topics
-from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.libs.datasets import open_dataset
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.jobview import JobLogReader, JobsView, JobView
+from conveyor.libs.config import KafkaSettings
 from conveyor.libs.messages import Heartbeat, JobEvent, StepClose, Topics
-from conveyor.libs.plan import split_ids
-from conveyor.services.aggregator.config import AggregatorSettings
-from conveyor.services.aggregator.service import AggregatorService
-from conveyor.services.preprocessor.config import PreprocessorSettings
-from conveyor.services.preprocessor.service import PreprocessorService
-from conveyor.services.sharder.config import SharderSettings
-from conveyor.services.sharder.service import SharderService
-from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.service import TrainerService
 from conveyor.services.trainer.timing import STEP_PARTS
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,128 +59,6 @@ SPEC: dict[str, Any] = {
     "resources": {"device": "cpu", "threads": 1},
     "flow": {"max_lead_batches": 24, "shard_size": 64},
 }  # fmt: skip
-MEMBER_TIMEOUT_S = 3.0
-
-
-class Servable(Protocol):
-    async def serve(self) -> int: ...
-    def readiness(self) -> bool: ...
-    def request_stop(self, exit_code: int = 0) -> None: ...
-
-
-@asynccontextmanager
-async def running(service: Servable) -> AsyncIterator[asyncio.Task[int]]:
-    serving = asyncio.create_task(service.serve())
-    deadline = time.monotonic() + 30
-    while not service.readiness():
-        assert time.monotonic() < deadline and not serving.done(), f"{service} never ready"
-        await asyncio.sleep(0.05)
-    try:
-        yield serving
-    finally:
-        service.request_stop()
-        assert await asyncio.wait_for(serving, 60) == 0
-
-
-def telemetry() -> TelemetrySettings:
-    return TelemetrySettings(otlp_endpoint=None)
-
-
-def trainer(kafka: KafkaSettings, name: str, delay_s: float = 0.0) -> TrainerService:
-    """An in-process trainer; ``delay_s`` per micro-batch emulates a slower device."""
-    settings = TrainerSettings(
-        worker_id=name,
-        progress_interval_s=0.2,
-        heartbeat_interval_s=0.5,
-        member_timeout_s=MEMBER_TIMEOUT_S,
-        simulated_step_delay_s=delay_s,
-    )
-    return TrainerService(settings=settings, kafka=kafka, telemetry=telemetry())
-
-
-@asynccontextmanager
-async def pipeline(kafka: KafkaSettings, objects: Path) -> AsyncIterator[None]:
-    """Sharder, a preprocessor and two aggregators, ready."""
-    storage = StorageSettings(uri=f"file://{objects}")
-    aggregator_settings = AggregatorSettings(
-        member_timeout_s=MEMBER_TIMEOUT_S, tick_s=0.05, progress_interval_s=0.2
-    )
-    services: list[Servable] = [
-        SharderService(
-            settings=SharderSettings(tick_s=0.1), kafka=kafka, storage=storage,
-            telemetry=telemetry(),
-        ),
-        PreprocessorService(
-            settings=PreprocessorSettings(), kafka=kafka, storage=storage, telemetry=telemetry()
-        ),
-        *(
-            AggregatorService(
-                settings=aggregator_settings.model_copy(update={"worker_id": f"agg-{k}"}),
-                kafka=kafka, storage=storage, telemetry=telemetry(),
-            )
-            for k in range(2)
-        ),
-    ]  # fmt: skip
-    async with (
-        running(services[0]),
-        running(services[1]),
-        running(services[2]),
-        running(services[3]),
-    ):
-        yield
-
-
-class Jobs:
-    """The jobs topic as the test sees it: every event of every job."""
-
-    def __init__(self, kafka: KafkaSettings, topic: str) -> None:
-        self.events: list[JobEvent] = []
-        self.changed = asyncio.Event()
-        self.reader = JobLogReader(
-            kafka, topic, JobsView(), service="trainer_test", on_applied=self._on_applied
-        )
-
-    def _on_applied(self, job: JobView, event: JobEvent) -> None:
-        self.events.append(event)
-        self.changed.set()
-
-    def of(self, name: str, job_id: str, **match: Any) -> list[dict[str, Any]]:
-        return [
-            e.data
-            for e in self.events
-            if e.event == name
-            and e.job_id == job_id
-            and all(e.data.get(k) == v for k, v in match.items())
-        ]
-
-    async def wait_for(self, predicate: Callable[[], Any], timeout_s: float = 150.0) -> None:
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
-
-
-@asynccontextmanager
-async def job_log(kafka: KafkaSettings) -> AsyncIterator[tuple[Topics, Jobs]]:
-    topics = Topics(kafka.topic_prefix)
-    await ensure_topics(kafka, [TopicSpec(topics.jobs, partitions=2)])
-    jobs = Jobs(kafka, topics.jobs)
-    await jobs.reader.start()
-    reading = asyncio.create_task(jobs.reader.run())
-    try:
-        yield topics, jobs
-    finally:
-        reading.cancel()
-        await jobs.reader.stop()
-
-
-async def submit(
-    kafka: KafkaSettings, topics: Topics, job_id: str, spec: dict[str, Any] = SPEC
-) -> None:
-    async with Producer(kafka) as producer:
-        data = {"spec": JobSpec.from_dict(spec).to_dict(), "idempotency_key": None}
-        message = JobEvent(job_id=job_id, event="submitted", at=time.time(), data=data)
-        await producer.publish(topics.jobs, message, key=job_id)
 
 
 @pytest.fixture
@@ -215,23 +89,12 @@ def restore_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def assert_exactly_once(objects: Path, job_id: str) -> None:
-    """Every train sample went into exactly one applied update per epoch."""
-    dataset = open_dataset(SPEC["dataset"]["uri"])
-    train_ids, _ = split_ids(dataset.num_samples, SPEC["dataset"]["eval_fraction"], 0)
-    ledger = json.loads((objects / f"jobs/{job_id}/ledger.json").read_text())["epochs"]
-    expected = {str(i): 1 for i in np.asarray(train_ids).tolist()}
-    assert sorted(ledger) == ["0", "1"]
-    for epoch in ("0", "1"):
-        assert ledger[epoch] == expected, f"epoch {epoch}: a sample is missing or counted twice"
-
-
 def assert_completed(jobs: Jobs, job_id: str, objects: Path) -> dict[str, Any]:
     summary: dict[str, Any] = jobs.of("completed", job_id)[0]["summary"]
     assert summary["epochs"] == 2 and summary["eval_accuracy"] > 0.85, summary
     assert [e["epoch"] for e in jobs.of("epoch_completed", job_id)] == [0, 1]
     assert (objects / f"jobs/{job_id}/model.safetensors").is_file()
-    assert_exactly_once(objects, job_id)
+    assert_exactly_once(objects, job_id, SPEC)
     # Trainers report their own figures, never the flow-control count (the coordinator's).
     trained = [p for p in jobs.of("progress", job_id) if p.get("worker_id", "").startswith("t-")]
     assert trained and all("consumed_batches" not in p for p in trained)
@@ -245,7 +108,7 @@ async def test_two_trainers_train_a_digits_job_through_two_aggregators(
     objects, job_id = tmp_path / "objects", "digits2t"
     async with job_log(kafka) as (topics, jobs), pipeline(kafka, objects):
         async with running(trainer(kafka, "t-a")), running(trainer(kafka, "t-b")):
-            await submit(kafka, topics, job_id)
+            await submit(kafka, topics, job_id, SPEC)
             await jobs.wait_for(lambda: jobs.of("planned", job_id))
             control: list[Any] = []  # read while the job runs: its topics go when it ends
             following = asyncio.create_task(follow(kafka, topics.control(job_id), control))
@@ -289,13 +152,6 @@ def assert_grad_send_spans(spans: InMemorySpanExporter, batches_topic: str) -> N
                                for s in slice_sends)  # fmt: skip
 
 
-async def follow(kafka: KafkaSettings, topic: str, into: list[Any]) -> None:
-    """Append every message of ``topic`` to ``into`` until cancelled."""
-    async with TopicTail(kafka, topic) as tail:
-        while True:
-            into += [r.message for r in await tail.get_many(0.5)]
-
-
 async def test_a_slow_trainer_gets_fewer_batches_and_a_fast_one_more(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
@@ -314,7 +170,7 @@ async def test_a_slow_trainer_gets_fewer_batches_and_a_fast_one_more(
         job_log(kafka) as (topics, jobs),
         pipeline(kafka, objects),
         running(trainer(kafka, "t-fast")),
-        running(trainer(kafka, "t-slow", delay_s=0.04)),
+        running(trainer(kafka, "t-slow", simulated_step_delay_s=0.04)),
     ):
         await submit(kafka, topics, job_id, spec)
         await jobs.wait_for(lambda: jobs.of("planned", job_id))
@@ -378,7 +234,7 @@ async def test_a_trainer_killed_mid_epoch_loses_nothing_and_counts_nothing_twice
     victim = trainer_process(kafka, "t-victim", delay_s=0.1)
     try:
         async with job_log(kafka) as (topics, jobs), pipeline(kafka, objects):
-            await submit(kafka, topics, job_id)
+            await submit(kafka, topics, job_id, SPEC)
 
             def trained(name: str) -> bool:
                 mine = jobs.of("progress", job_id, worker_id=name)

@@ -20,7 +20,7 @@ from aiokafka.errors import ConsumerStoppedError, KafkaError
 from aiokafka.protocol.group import LeaveGroupRequest
 
 from conveyor.libs.bus.dead_letters import DeadLetters
-from conveyor.libs.bus.errors import BusError, ConsumerStopped, from_kafka_error
+from conveyor.libs.bus.errors import BusError, BusUnavailable, ConsumerStopped, from_kafka_error
 from conveyor.libs.bus.metrics import (
     register_lag_source,
     topic_kind,
@@ -41,6 +41,8 @@ Handler = Callable[[Received], Awaitable[None]]
 
 _BACKOFF_INITIAL_S = 0.1
 _BACKOFF_MAX_S = 5.0
+_COMMIT_TIMEOUT_S = 5.0
+"""Longest wait for one commit (a healthy one takes milliseconds), see :meth:`Consumer._commit`."""
 
 
 class Consumer:
@@ -424,9 +426,17 @@ class Consumer:
         if not offsets:
             return
         try:
-            await consumer.commit(offsets)
+            # aiokafka retries a retriable commit error without end: a job's topics deleted
+            # under its readers answer UnknownTopicOrPartition forever, which would hold a
+            # stop, or a rebalance (revocation commits) and every stop after it, for good.
+            async with asyncio.timeout(_COMMIT_TIMEOUT_S):
+                await consumer.commit(offsets)
         except KafkaError as exc:
             raise from_kafka_error(exc, f"commit of group {self._group_id}") from exc
+        except TimeoutError as exc:
+            raise BusUnavailable(
+                f"commit of group {self._group_id} took over {_COMMIT_TIMEOUT_S}s"
+            ) from exc
         self._in_flight.committed(offsets)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:

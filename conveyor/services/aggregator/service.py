@@ -193,7 +193,8 @@ class AggregatorService(Service):
     async def _stop_jobs(self) -> None:
         tasks = list(self._tasks.values())
         for task in tasks:
-            task.cancel()
+            if not task.cancelling():  # a job let go is leaving already: let it finish
+                task.cancel()
         if tasks:
             await asyncio.wait(tasks)
         for task in tasks:

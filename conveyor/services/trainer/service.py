@@ -87,7 +87,10 @@ class TrainerService(Service):
         # redelivered to the other trainers).
         task = self._job_task
         if task is not None and not task.done():
-            task.cancel()
+            # A job that just ended is already being cancelled (its runner is leaving: a
+            # second cancel would cut that short and leave its batches consumer unclosed).
+            if not task.cancelling():
+                task.cancel()
             await asyncio.wait({task})
 
     async def _start_watcher(self, watcher: JobWatcher) -> None:
@@ -134,7 +137,8 @@ class TrainerService(Service):
         finally:
             stop.cancel()
             if not task.done():
-                task.cancel()
+                if not task.cancelling():  # a stop may have cancelled it already (drain)
+                    task.cancel()
                 await asyncio.wait({task})
             self._job_task = self._current_job = None
         await self._settle(task, watcher, producer, job_id)
