@@ -10,7 +10,7 @@ import torch
 
 from conveyor.libs.jobview import JobView
 from conveyor.libs.messages import Topics
-from conveyor.services.trainer.config import TrainerSettings
+from conveyor.services.trainer.config import TrainerSettings, group_id
 from conveyor.services.trainer.jobwatch import JobPlan
 from conveyor.services.trainer.session import JobFailed, prepare_job
 from conveyor.services.trainer.tally import TrainerTally
@@ -81,7 +81,6 @@ def test_prepare_builds_the_seeded_version_0_its_slices_and_the_consumer_bound()
     again = prepare_job(job(), TrainerSettings(worker_id="w"), TOPICS)
     for a, b in zip(session.model.parameters(), again.model.parameters(), strict=True):
         assert torch.equal(a, b)  # weights come from the job's seed
-    assert session.group_id == "conveyor-trainer.j1"
     assert session.grads_topic == "c.job.j1.grads" and session.params_topic == "c.job.j1.params"
     assert session.num_slices == 3 and session.bounds[-1][1] == session.layout.numel
     assert session.engine.encoder.encoding == "topk" and session.engine.encoder.error_feedback
@@ -127,3 +126,9 @@ def test_tally_counts_applied_contributions() -> None:
     tally.applied(samples=64, batches=2, loss_sum=32.0)
     tally.applied(samples=0, batches=0, loss_sum=0.0)  # an empty contribution
     assert (tally.samples_trained, tally.batches_trained, tally.loss) == (64, 2, 0.5)
+
+
+def test_the_trainers_group_carries_the_topic_prefix() -> None:
+    assert group_id("conveyor.", "j1") == "conveyor-trainer.j1"
+    assert group_id("team-b.", "j1") == "team-b-trainer.j1"
+    assert group_id("", "j1") == "conveyor-trainer.j1"

@@ -38,7 +38,7 @@ from conveyor.libs.config import KafkaSettings
 from conveyor.libs.messages import EvalResult, ParamSlice, StepClose
 from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
 from conveyor.services.trainer.compute import MicroResult
-from conveyor.services.trainer.config import TrainerSettings
+from conveyor.services.trainer.config import TrainerSettings, group_id
 from conveyor.services.trainer.control import Applied, ControlState, Outcome
 from conveyor.services.trainer.figures import Figures
 from conveyor.services.trainer.input import TRACER_NAME, DeviceCopier, Prefetcher, ReadyBatch
@@ -145,7 +145,7 @@ class JobRunner:
             async with Consumer(
                 kafka,
                 [session.plan.batches_topic],
-                group_id=session.group_id,
+                group_id=group_id(kafka.topic_prefix, session.job_id),
                 max_in_flight=session.max_in_flight,
                 dead_letter_producer=self._producer,
             ) as consumer:
@@ -162,7 +162,7 @@ class JobRunner:
             DeviceCopier(self.session.device),
             job_id=self.session.job_id,
             depth=self.settings.prefetch_batches,
-            consumer_group=self.session.group_id,
+            consumer_group=group_id(self._kafka.topic_prefix, self.session.job_id),
             reject=self._reject,
             executor=self._copy_executor,
         )

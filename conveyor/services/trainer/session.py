@@ -55,10 +55,6 @@ class JobSession:
     """Unacknowledged batches the consumer may hold (see :func:`max_in_flight`)."""
 
     @property
-    def group_id(self) -> str:
-        return f"conveyor-trainer.{self.job_id}"
-
-    @property
     def num_slices(self) -> int:
         return len(self.bounds)
 
