@@ -14,7 +14,6 @@ import torch
 
 from conveyor.libs.errors import ConveyorError
 from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.optim import build_optimizer
 from conveyor.libs.plan import JobPlan
 from conveyor.libs.slicing import ParamLayout, build_job_model
 
@@ -99,8 +98,6 @@ def prepare_job(job_id: str, spec_data: dict[str, Any], plan_data: dict[str, Any
     except (ValueError, RuntimeError) as exc:
         raise JobFailed(f"cannot build the model: {exc}") from exc
     layout = ParamLayout.from_model(model)
-    # The first optimizer of a process imports for seconds: pay it here, off the event loop.
-    build_optimizer(spec.training.optimizer, [torch.nn.Parameter(torch.zeros(1))])
     return JobContext(
         job_id=job_id,
         spec=spec,
