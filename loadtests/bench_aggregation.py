@@ -29,13 +29,13 @@ step) and the job summary's grad_bytes_per_step (all payload / steps with sample
 the number of partial steps, so the reduction is taken per non-empty contribution). fp16/bf16:
 one 1-epoch job each (their bytes are fixed by the layout).
 Accuracy: examples/digits.yaml (5 epochs, 2 trainers, 2 shards, SGD lr 0.1 momentum 0.9), dense
-and topk 0.01 with error feedback (alternating which runs first), eval accuracy of the last epoch
-from the job's summary, paired per repeat; delta = 100 * (dense - topk) points. Beside it, an
-in-process reference of the same algorithm (2 simulated trainers, per-trainer top-k with error
-feedback per slice, summed gradients / samples, one optimizer over the flat parameters, no
-broker): it tells a system bug from a property of the algorithm. --investigate SEEDS runs only
-reference variants over SEEDS seeds (no error feedback, ratio 0.05, DGC-style momentum
-correction, 20 epochs).
+and topk 0.01 with error feedback and momentum correction (the defaults; alternating which runs
+first), eval accuracy of the last epoch from the job's summary, paired per repeat; delta =
+100 * (dense - topk) points. Beside it, an in-process reference of the same algorithm (2
+simulated trainers with the trainer's own SliceEncoder, summed gradients / samples, the
+aggregator's optimizer over the flat parameters, no broker): it tells a system bug from a
+property of the algorithm. --investigate SEEDS runs only reference variants over SEEDS seeds
+(momentum at the aggregator instead of the trainers, no error feedback, ratio 0.05, 20 epochs).
 The last line printed is one JSON object:
     {..., "step_vs_local": r, ..., "step_vs_ddp_gloo": conveyor/ddp per-step time (small_cnn),
      "topk_bytes_reduction": dense / top-k bytes, "topk_accuracy_delta": points lost by top-k}
@@ -81,6 +81,9 @@ IDLE_S = 5.0
 STALL_S = 60.0
 """A job with no StepClose nor Contribution for this long is stalled: cancelled and reported."""
 TOPK_RATIO = 0.01
+REFERENCE_SEEDS = 8
+"""Seeds of the in-process reference's accuracy (one seed's delta is mostly noise: dense alone
+moves ~2.5 points between seeds on digits)."""
 TARGET_REDUCTION, TARGET_DELTA_POINTS = 50.0, 1.5
 COMPRESSIONS: dict[str, dict[str, Any]] = {
     "none": {"kind": "none"},
@@ -164,7 +167,7 @@ def accuracy_deltas(dense: Sequence[float | None], topk: Sequence[float | None])
     ]
 
 
-def max_topk_reduction(ratio_kept: float, value_bytes: int = 4, index_bytes: int = 4) -> float:
+def max_topk_reduction(ratio_kept: float, value_bytes: int = 2, index_bytes: int = 4) -> float:
     """The most top-k at ``ratio_kept`` can save over fp32: dense 4 bytes per element vs
     ``ratio_kept * (value + index)`` bytes (before rounding k up)."""
     return 4.0 / (ratio_kept * (value_bytes + index_bytes))
@@ -194,13 +197,14 @@ def result_json(
 # -- job specs ----------------------------------------------------------------------------------
 
 
-def digits_spec(*, epochs: int, compression: str) -> dict[str, Any]:
+def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, Any]:
     """examples/digits.yaml (2 trainers, 2 shards, sync) on the CPU with 1 torch thread."""
     from conveyor.libs.jobspec import JobSpec
 
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     data["name"] = f"bench-agg-digits-{compression}"
     data["training"]["epochs"] = epochs
+    data["training"]["seed"] = seed
     data["distribution"].update(
         trainers=TRAINERS, aggregator_shards=SHARDS, mode="sync",
         compression=COMPRESSIONS[compression],
@@ -507,22 +511,19 @@ def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
 # -- the in-process reference of the algorithm -------------------------------------------------
 
 
-def reference_accuracy(
-    spec_dict: dict[str, Any], *, seed: int | None = None, momentum_correction: bool = False
-) -> float:
+def reference_accuracy(spec_dict: dict[str, Any], *, seed: int | None = None) -> float:
     """Eval accuracy after training ``spec_dict`` with Conveyor's algorithm in this process:
-    each step's micro-batches dealt to 2 simulated trainers, each trainer's summed-loss gradient
-    cut into K slices and encoded by its own SliceEncoder (top-k residuals per trainer), the
-    decoded slices summed and divided by the step's samples, one optimizer over the flat
-    parameters (equal to per-slice optimizers). ``momentum_correction``: DGC-style, the
-    trainers keep the momentum (velocity accumulated locally, masked where sent) and the
-    optimizer runs without it."""
+    each step's micro-batches dealt round-robin to the spec's trainers, each trainer's
+    summed-loss gradient over its micro-batches of the step encoded by its own SliceEncoder
+    (top-k residuals and momentum-correction velocities per trainer), the decoded slices
+    summed and divided by the step's samples, and the aggregator's optimizer over the flat
+    parameters (equal to per-slice optimizers)."""
     from torch.nn import functional as F
 
     from conveyor.libs.compression import decode_slice
     from conveyor.libs.datasets import open_dataset
     from conveyor.libs.jobspec import JobSpec
-    from conveyor.libs.optim import build_optimizer
+    from conveyor.libs.optim import aggregator_optimizer, build_optimizer
     from conveyor.libs.plan import epoch_order, split_ids
     from conveyor.libs.slicing import ParamLayout, build_job_model
     from conveyor.services.trainer.gradients import SliceEncoder
@@ -530,9 +531,6 @@ def reference_accuracy(
     data = json.loads(json.dumps(spec_dict))
     if seed is not None:
         data["training"]["seed"] = seed
-    momentum = float(data["training"]["optimizer"].get("momentum", 0.0))
-    if momentum_correction:
-        data["training"]["optimizer"]["momentum"] = 0.0
     spec = JobSpec.from_dict(data)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -546,11 +544,10 @@ def reference_accuracy(
         )
         layout = ParamLayout.from_model(model)
         flat = torch.nn.Parameter(layout.flatten_params(model).clone())  # [N]
-        optimizer = build_optimizer(spec.training.optimizer, [flat])
+        optimizer = build_optimizer(aggregator_optimizer(spec), [flat])
         bounds = layout.slice_bounds(spec.distribution.aggregator_shards)
         trainers = spec.distribution.trainers
-        encoders = [SliceEncoder(spec.distribution.compression, bounds) for _ in range(trainers)]
-        velocity = [torch.zeros(layout.numel) for _ in range(trainers)]
+        encoders = [SliceEncoder.for_job(spec, bounds) for _ in range(trainers)]
         norm = spec.preprocess.normalize
         mean = torch.tensor(norm.mean if norm else [0.0]).view(1, -1, 1, 1)
         std = torch.tensor(norm.std if norm else [1.0]).view(1, -1, 1, 1)
@@ -565,28 +562,22 @@ def reference_accuracy(
             order = epoch_order(train_ids, spec.training.seed, epoch)
             micro_batches = [order[i : i + micro] for i in range(0, len(order), micro)]
             for first in range(0, len(micro_batches), per_step):
+                step = micro_batches[first : first + per_step]
+                layout.load_flat(model, flat.detach())
                 total = torch.zeros(layout.numel)
-                samples = 0
-                for index, ids in enumerate(micro_batches[first : first + per_step]):
-                    trainer = index % trainers
-                    layout.load_flat(model, flat.detach())
+                for trainer in range(min(trainers, len(step))):
                     model.zero_grad(set_to_none=True)
-                    x, y = batch(ids)
-                    F.cross_entropy(model(x), y, reduction="sum").backward()  # type: ignore[no-untyped-call]
-                    grad = layout.flatten_grads(model)  # [N]
-                    if momentum_correction:
-                        velocity[trainer].mul_(momentum).add_(grad)
-                        grad = velocity[trainer].clone()
-                    encoded = encoders[trainer].encode(grad)
-                    sent = torch.cat(
+                    mine = step[trainer::trainers]
+                    for ids in mine:
+                        x, y = batch(ids)
+                        F.cross_entropy(model(x), y, reduction="sum").backward()  # type: ignore[no-untyped-call]
+                    samples = sum(len(ids) for ids in mine)
+                    encoded = encoders[trainer].encode(layout.flatten_grads(model), samples)
+                    total += torch.cat(
                         [decode_slice(s.encoding, s.values, s.indices, s.numel)
                          for s in encoded.slices]
                     )  # fmt: skip
-                    if momentum_correction:
-                        velocity[trainer][sent != 0] = 0.0
-                    total += sent
-                    samples += len(ids)
-                flat.grad = total / samples
+                flat.grad = total / sum(len(ids) for ids in step)
                 optimizer.step()
                 flat.grad = None
         layout.load_flat(model, flat.detach())
@@ -598,33 +589,29 @@ def reference_accuracy(
         torch.set_num_threads(threads)
 
 
-INVESTIGATION: dict[str, tuple[str, dict[str, Any], bool]] = {
-    # name: (compression, overrides of training, momentum correction)
-    "dense": ("none", {}, False),
-    "topk 1% + EF (the demo)": ("topk", {}, False),
-    "topk 1%, no EF": ("topk-noef", {}, False),
-    "topk 5% + EF": ("topk5", {}, False),
-    "topk 1% + EF, momentum correction": ("topk", {}, True),
-    "dense, 20 epochs": ("none", {"epochs": 20}, False),
-    "topk 1% + EF, 20 epochs": ("topk", {"epochs": 20}, False),
+INVESTIGATION: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # name: (compression, overrides of training)
+    "dense": ({"kind": "none"}, {}),
+    "topk 1% + EF + momentum correction (the default)": (COMPRESSIONS["topk"], {}),
+    "topk 1% + EF, momentum at the aggregator": (
+        {**COMPRESSIONS["topk"], "momentum_correction": False},
+        {},
+    ),
+    "topk 1%, no EF": ({**COMPRESSIONS["topk"], "error_feedback": False}, {}),
+    "topk 5% + EF + momentum correction": ({**COMPRESSIONS["topk"], "ratio": 0.05}, {}),
+    "dense, 20 epochs": ({"kind": "none"}, {"epochs": 20}),
+    "topk 1% + EF + momentum correction, 20 epochs": (COMPRESSIONS["topk"], {"epochs": 20}),
 }
 
 
 def investigate(seeds: int) -> dict[str, list[float]]:
     """Reference accuracy of each :data:`INVESTIGATION` variant for seeds 0..seeds-1."""
     found: dict[str, list[float]] = {}
-    for name, (compression, overrides, correction) in INVESTIGATION.items():
-        base = "topk" if compression.startswith("topk") else compression
-        spec = digits_spec(epochs=5, compression=base)
-        if compression == "topk-noef":
-            spec["distribution"]["compression"]["error_feedback"] = False
-        if compression == "topk5":
-            spec["distribution"]["compression"]["ratio"] = 0.05
+    for name, (compression, overrides) in INVESTIGATION.items():
+        spec = digits_spec(epochs=5, compression="none")
+        spec["distribution"]["compression"] = dict(compression)
         spec["training"].update(overrides)
-        found[name] = [
-            reference_accuracy(spec, seed=seed, momentum_correction=correction)
-            for seed in range(seeds)
-        ]
+        found[name] = [reference_accuracy(spec, seed=seed) for seed in range(seeds)]
         ERR.log(f"reference {name}: " + ", ".join(f"{a:.3f}" for a in found[name]))
     return found
 
@@ -640,7 +627,8 @@ class Runs:
     """(case, "local" | "ddp") -> runs."""
     jobs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """"small_cnn" (digits dense), "topk", "fp16", "bf16", "resnet18" -> runs."""
-    reference: dict[str, float] = field(default_factory=dict)
+    reference: dict[str, list[float]] = field(default_factory=dict)
+    """"dense", "topk" -> in-process reference accuracy per seed 0..REFERENCE_SEEDS-1."""
     idle_cpu_per_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds per second of every stack process with no job running."""
 
@@ -678,7 +666,6 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
     stack = ConveyorStack(preprocessors=1, env={}, use_scale=True, scale=STACK_SCALE)
     started = time.monotonic()
     ERR.log("starting the stack: conveyor up --scale trainer=2 --scale aggregator=2")
-    topk_spec = digits_spec(epochs=args.digits_epochs, compression="topk")
     try:
         stack.start()
         ERR.log(f"stack up in {time.monotonic() - started:.0f} s: "
@@ -694,8 +681,13 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
                 if case.name != "small_cnn" and repeat >= args.resnet_repeats:
                     continue
                 jobs = [(case.name, case.spec)]
-                if case.name == "small_cnn":  # dense and top-k alternate which goes first
-                    jobs.append(("topk", topk_spec))
+                if case.name == "small_cnn":
+                    # Dense and top-k paired on seed = repeat, alternating which goes first.
+                    jobs = [
+                        (name, digits_spec(epochs=args.digits_epochs, compression=kind,
+                                           seed=repeat))
+                        for name, kind in (("small_cnn", "none"), ("topk", "topk"))
+                    ]  # fmt: skip
                     jobs = jobs if repeat % 2 == 0 else jobs[::-1]
                 for name, spec in jobs:
                     began = time.monotonic()
@@ -719,11 +711,13 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
     for repeat in range(before_stack, args.repeats):
         measure_baselines(args, cases, runs, repeat)
         load.append(os.getloadavg()[0])
-    dense_spec = digits_spec(epochs=args.digits_epochs, compression="none")
-    runs.reference["dense"] = reference_accuracy(dense_spec)
-    runs.reference["topk"] = reference_accuracy(topk_spec)
-    ERR.log(f"reference (in-process algorithm): dense {runs.reference['dense']:.4f}, "
-            f"topk {runs.reference['topk']:.4f}")  # fmt: skip
+    for kind, name in (("none", "dense"), ("topk", "topk")):
+        spec = digits_spec(epochs=args.digits_epochs, compression=kind)
+        runs.reference[name] = [
+            reference_accuracy(spec, seed=seed) for seed in range(REFERENCE_SEEDS)
+        ]
+        ERR.log(f"reference (in-process algorithm) {name}: "
+                + ", ".join(f"{a:.3f}" for a in runs.reference[name]))  # fmt: skip
 
 
 def ms(value: float | None) -> str:
@@ -887,10 +881,13 @@ def report(
     )
     ref_delta = None
     if runs.reference:
-        ref_delta = 100.0 * (runs.reference["dense"] - runs.reference["topk"])
+        ref_deltas = accuracy_deltas(runs.reference["dense"], runs.reference["topk"])
+        ref_delta = statistics.fmean(ref_deltas)
         accuracy.add_row(
-            "in-process reference of the algorithm (no broker)",
-            f"{runs.reference['dense']:.4f}", f"{runs.reference['topk']:.4f}", f"{ref_delta:.1f}",
+            f"in-process reference of the algorithm (no broker), seeds 0..{REFERENCE_SEEDS - 1}: "
+            f"mean delta {ref_delta:.2f}, median {statistics.median(ref_deltas):.2f}",
+            spread(runs.reference["dense"], ".4f"), spread(runs.reference["topk"], ".4f"),
+            spread(ref_deltas),
         )  # fmt: skip
     out.print(accuracy)
     extras["dense_eval_accuracy"] = median(dense_acc)
@@ -913,7 +910,7 @@ def report(
         "Conveyor: one stack for the whole run (broker + gateway + sharder + preprocessor + "
         f"{TRAINERS} trainers + {SHARDS} aggregators = 8 processes on these cores), jobs one "
         "after the other; fp16/bf16: one 1-epoch job each (their bytes are fixed by the layout).\n"
-        f"Top-k bytes: fp32 values + int32 indices, so {TOPK_RATIO:g} can save at most "
+        f"Top-k bytes: bf16 values + int32 indices, so {TOPK_RATIO:g} can save at most "
         f"{max_topk_reduction(TOPK_RATIO):.0f}x (k is rounded up per slice). Only the upstream "
         "gradients are compressed: the parameters come back dense (fp32) every step.\n"
         f"Targets: >= {TARGET_REDUCTION:g}x fewer bytes ({times(bytes_reduction)}), within "

@@ -227,6 +227,10 @@ class CompressionSpec(_Spec):
     """Share of gradient elements kept by topk; required for topk, only for topk."""
     error_feedback: bool = True
     """topk: keep the dropped residual locally and add it to the next gradient."""
+    momentum_correction: bool = True
+    """topk with error feedback and SGD momentum: the trainers keep the momentum and
+    accumulate it before selecting (DGC momentum correction), the aggregator's SGD runs
+    without it; no effect otherwise (see :func:`conveyor.libs.optim.momentum_correction`)."""
 
     @field_validator("ratio")
     @classmethod

@@ -293,7 +293,7 @@ async def test_ssp_topk_adam_single_process_matches_replay(
     summary = check_outputs(peer, tmp_path, 1)
     assert summary["rejections"] == len(peer.rejections)
     dense_bytes = 4 * ctx.layout.numel * len(peer.sent)
-    assert summary["grad_bytes_total"] < 0.11 * dense_bytes  # 5% values + 5% indices
+    assert summary["grad_bytes_total"] < 0.08 * dense_bytes  # 5% bf16 values + int32 indices
     # metrics: every version applied by both slices, the gradient bytes received
     assert metric("conveyor_aggregator_steps_total") - steps_before == 2 * len(peer.closes)
     assert (

@@ -47,7 +47,7 @@ def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dense(engine: Engine) -> torch.Tensor:
     """The encoded gradient of the engine's accumulated micro-batches, decoded and joined."""
-    encoded, _ = engine.gradient()
+    encoded, _ = engine.gradient(1)
     return torch.cat(
         [decode_slice(s.encoding, s.values, s.indices, s.numel) for s in encoded.slices]
     )
@@ -72,12 +72,12 @@ def test_dense_slices_are_the_flat_gradient_cut_at_the_layout_bounds() -> None:
     engine = make_engine(slices=4)
     engine.accumulate(*batch(8, seed=2))
     expected = engine.layout.flatten_grads(engine.model)
-    encoded, _ = engine.gradient()
+    encoded, _ = engine.gradient(8)
     bounds = engine.layout.slice_bounds(4)
     assert [s.numel for s in encoded.slices] == [stop - start for start, stop in bounds]
     assert all(s.encoding == "dense" and s.values.dtype == torch.float32 for s in encoded.slices)
     assert torch.equal(torch.cat([s.values for s in encoded.slices]), expected)
-    assert encoded.nbytes == 4 * expected.numel() and encoded.feedback_delta is None
+    assert encoded.nbytes == 4 * expected.numel() and encoded.feedback_inputs is None
     assert all(p.grad is None for p in engine.model.parameters())  # cleared for the next step
 
 
@@ -85,7 +85,7 @@ def test_fp16_slices_halve_the_bytes_and_decode_close_to_the_gradient() -> None:
     engine = make_engine(CompressionSpec(kind="fp16"))
     engine.accumulate(*batch(8, seed=3))
     expected = engine.layout.flatten_grads(engine.model)
-    encoded, _ = engine.gradient()
+    encoded, _ = engine.gradient(8)
     assert all(s.values.dtype == torch.float16 for s in encoded.slices)
     assert encoded.nbytes == 2 * expected.numel()
     joined = torch.cat([decode_slice("fp16", s.values, s.indices, s.numel) for s in encoded.slices])
@@ -114,7 +114,7 @@ def test_bf16_autocast_keeps_fp32_gradients() -> None:
     engine = make_engine()
     engine.bf16 = True
     result = engine.accumulate(*batch(4, seed=6))
-    encoded, _ = engine.gradient()
+    encoded, _ = engine.gradient(8)
     assert result.samples == 4 and result.loss_sum > 0
     assert all(s.values.dtype == torch.float32 for s in encoded.slices)
 

@@ -41,6 +41,7 @@ from conveyor.libs.bus import (
 from conveyor.libs.compression import CompressionError
 from conveyor.libs.config import KafkaSettings
 from conveyor.libs.messages import GradSlice, ParamSlice, StepClose, Topics
+from conveyor.libs.optim import aggregator_optimizer
 from conveyor.libs.storage import ObjectStore
 from conveyor.services.aggregator.config import AggregatorSettings, group_id
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
@@ -241,7 +242,7 @@ class JobAggregator:
             slice_index=index,
             values=values,
             version=version,
-            optimizer=self.ctx.spec.training.optimizer,
+            optimizer=aggregator_optimizer(self.ctx.spec),
         )
         logger.info("job %s: serving slice %d from version %d", self.ctx.job_id, index, version)
         for received in self._early.pop(index, []):

@@ -144,11 +144,12 @@ class Engine:
         self._simulate_slower_device()
         return MicroResult(loss_sum, int(correct), int(y.shape[0]), time.perf_counter() - started)
 
-    def gradient(self) -> tuple[EncodedGrad, float]:
-        """The accumulated gradient, flattened, sliced and encoded (slices on the CPU); clears
-        the gradients. Returns it and the seconds it took."""
+    def gradient(self, num_samples: int) -> tuple[EncodedGrad, float]:
+        """The gradient accumulated over ``num_samples`` samples, flattened, sliced and encoded
+        (slices on the CPU); clears the gradients. Returns it and the seconds it took."""
         started = time.perf_counter()
-        encoded = self.encoder.encode(self.layout.flatten_grads(self.model))  # [N] -> K slices
+        flat = self.layout.flatten_grads(self.model)  # [N]
+        encoded = self.encoder.encode(flat, num_samples)  # -> K slices
         self.model.zero_grad(set_to_none=True)
         return encoded, time.perf_counter() - started
 

@@ -41,6 +41,7 @@ from conveyor.services.trainer.compute import MicroResult
 from conveyor.services.trainer.config import TrainerSettings, group_id
 from conveyor.services.trainer.control import Applied, ControlState, Outcome
 from conveyor.services.trainer.figures import Figures
+from conveyor.services.trainer.gradients import EncodedGrad
 from conveyor.services.trainer.input import TRACER_NAME, DeviceCopier, Prefetcher, ReadyBatch
 from conveyor.services.trainer.metrics import TrainerMetrics
 from conveyor.services.trainer.params import ParamAssembler
@@ -106,7 +107,7 @@ class JobRunner:
         self.signal = Signal()
         self.loaded_version: int | None = None
         self.snapshots = EpochSnapshots(session, kafka, self._build_snapshot, self._params_reached)
-        self._undo: list[list[torch.Tensor]] = []
+        self._undo: list[EncodedGrad] = []
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._consumer: Consumer | None = None
         self._prefetch: Prefetcher | None = None
@@ -253,8 +254,8 @@ class JobRunner:
             )  # fmt: skip
             # Batches applied elsewhere meanwhile are dropped (acknowledged by their close).
             self.book.requeue(pending.batches, self.control)
-            if pending.feedback_delta is not None:
-                self._undo.append(pending.feedback_delta)
+            if pending.feedback is not None:
+                self._undo.append(pending.feedback)
         self.metrics.contributions.labels(outcome=outcome_name).inc()
 
     # -- training -----------------------------------------------------------------------------
@@ -304,8 +305,8 @@ class JobRunner:
         version, flat = params.version, params.flat
         assert version is not None and flat is not None
         undo, self._undo = self._undo, []
-        for delta in undo:
-            await self._compute(self.session.engine.encoder.undo, delta)
+        for encoded in undo:
+            await self._compute(self.session.engine.encoder.undo, encoded)
         if version == self.loaded_version:
             return
         load_s = await self._compute(self.session.engine.load, flat)
@@ -328,7 +329,9 @@ class JobRunner:
                 self.outstanding.add(pending)
                 self.tally.empty_contributions += 1
             return
-        encoded, encode_s = await self._compute(engine.gradient)
+        encoded, encode_s = await self._compute(
+            engine.gradient, sum(result.samples for result in results)
+        )
         pending, grad_send_s = await self.sender.send(base, batches, results, encoded)
         self.outstanding.add(pending)
         self.tally.contributions += 1

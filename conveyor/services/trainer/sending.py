@@ -105,7 +105,7 @@ class ContributionSender:
             loss_sum=loss_sum,
             grad_bytes=encoded.nbytes,
             sent_at=time.time(),
-            feedback_delta=encoded.feedback_delta,
+            feedback=encoded if encoded.feedback_inputs is not None else None,
         )
         return pending, time.perf_counter() - started
 

@@ -115,7 +115,7 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
             bf16=spec.training.precision == "bf16",
             normalizer=normalizer,
             layout=layout,
-            encoder=SliceEncoder(spec.distribution.compression, bounds),
+            encoder=SliceEncoder.for_job(spec, bounds),
             simulated_delay_s=settings.simulated_step_delay_s,
         )
     except (ValueError, TypeError, RuntimeError) as exc:

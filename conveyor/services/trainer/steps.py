@@ -21,9 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-import torch
-
 from conveyor.services.trainer.control import ControlState, Outcome, Rejected
+from conveyor.services.trainer.gradients import EncodedGrad
 
 T = TypeVar("T")
 
@@ -43,8 +42,8 @@ class Pending(Generic[T]):
     grad_bytes: int
     sent_at: float
     """Unix seconds."""
-    feedback_delta: list[torch.Tensor] | None = field(default=None, repr=False)
-    """Top-k error feedback: per slice, ``sent - grad``, added to the residual if it is
+    feedback: EncodedGrad | None = field(default=None, repr=False)
+    """Top-k error feedback: the encoded step, taken back out of the residuals if it is
     rejected (nothing it sent was applied); None without error feedback."""
 
 
