@@ -790,7 +790,7 @@ def report(
     for name in [case.name for case in cases] + ["topk", "fp16", "bf16"]:
         if name not in runs.jobs:
             continue
-        parts = runs.values(name, "step_parts_s")
+        parts = [p for p in runs.values(name, "step_parts_s") if p]  # a stalled run has none
         where.add_row(
             name,
             ms(median(runs.values(name, "per_step_s"))),

@@ -21,6 +21,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 
 from conveyor.libs.bus.dead_letters import DeadLetters
 from conveyor.libs.bus.errors import BusError, BusUnavailable, ConsumerStopped, from_kafka_error
+from conveyor.libs.bus.holes import HOLE_RETRY_S, HoleGuard
 from conveyor.libs.bus.metrics import (
     register_lag_source,
     topic_kind,
@@ -102,6 +103,7 @@ class Consumer:
         self._consumer: AIOKafkaConsumer | None = None
         self._closing = False
         self._in_flight = InFlight(max_in_flight)
+        self._holes = HoleGuard()
         self._paused = False
         self._capacity = asyncio.Event()
         self._get_lock = asyncio.Lock()
@@ -195,6 +197,15 @@ class Consumer:
     def assignment(self) -> frozenset[TopicPartition]:
         """Partitions currently assigned to this member (empty before the first join)."""
         return frozenset(self._in_flight.partitions)
+
+    def offsets(self, topic: str, partition: int) -> tuple[int | None, int | None]:
+        """(fetch position, high-water mark) of an assigned partition as last known, for
+        diagnostics; None where not known yet."""
+        consumer = self._consumer
+        if consumer is None:
+            return None, None
+        tp = TopicPartition(topic, partition)
+        return _fetch_position(consumer, tp), consumer.highwater(tp)
 
     def lag(self, topic_kind: str | None = None) -> int:
         """Records not yet delivered to the application, summed over assigned partitions
@@ -347,8 +358,15 @@ class Consumer:
             raise ConsumerStopped(f"consumer of group {self._group_id} stopped") from None
         except KafkaError as exc:
             raise from_kafka_error(exc, f"fetching for group {self._group_id}") from exc
-        for records in batches.values():
-            self._in_flight.add_fetched(records)
+        holes = False
+        for tp, records in batches.items():
+            admitted, hole = self._holes.admit(tp, records, time.monotonic())
+            self._in_flight.add_fetched(admitted)
+            if hole is not None:  # read it again (see conveyor.libs.bus.holes)
+                consumer.seek(tp, hole)
+                holes = True
+        if holes:
+            await asyncio.sleep(HOLE_RETRY_S)
 
     async def _accept(self, record: Any, offsets: PartitionOffsets) -> Received | None:
         """Deliver ``record``: decode it, or dead-letter it and return None."""
@@ -447,10 +465,14 @@ class Consumer:
             except BusError as exc:
                 logger.warning("group %s: commit on revoke failed: %s", self._group_id, exc)
         self._in_flight.revoke(revoked)
+        for tp in revoked:
+            self._holes.forget(tp)
         self._capacity.set()
 
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._in_flight.assign(assigned)
+        for tp in assigned:
+            self._holes.forget(tp)
         # A new assignment starts unpaused; keep the bound if handlers still hold records.
         if self._in_flight.full:
             self._pause()

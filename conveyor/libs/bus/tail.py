@@ -8,7 +8,9 @@ no consumer group, no offsets committed, so readers never disturb each other.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -18,6 +20,7 @@ from aiokafka.errors import KafkaError
 
 from conveyor.libs import telemetry
 from conveyor.libs.bus.errors import BusError, BusUnavailable, from_kafka_error
+from conveyor.libs.bus.holes import HOLE_RETRY_S, HoleGuard
 from conveyor.libs.bus.metrics import topic_kind, topic_metrics
 from conveyor.libs.bus.options import consumer_options
 from conveyor.libs.codec import CodecError, CodecLimits, decode
@@ -79,6 +82,7 @@ class TopicTail:
         self._assigned: list[TopicPartition] = []
         self._targets: dict[int, int] = {}
         self._positions: dict[int, int] = {}
+        self._holes = HoleGuard()
         self._skipped = SKIPPED_RECORDS.labels(topic_kind(topic, settings.topic_prefix))
 
     @property
@@ -150,13 +154,32 @@ class TopicTail:
         except KafkaError as exc:
             raise from_kafka_error(exc, f"reading {self.topic}") from exc
         out: list[Tailed] = []
+        holes = False
         for tp, records in batches.items():
-            for record in records:
+            admitted, hole = self._holes.admit(tp, records, time.monotonic())
+            for record in admitted:
                 tailed = self._decode(record)
                 if tailed is not None:
                     out.append(tailed)
                 self._positions[tp.partition] = record.offset + 1
+            if hole is not None:  # read it again (see conveyor.libs.bus.holes)
+                consumer.seek(tp, hole)
+                holes = True
+        if holes and not out:
+            await asyncio.sleep(HOLE_RETRY_S)
         return out
+
+    def position(self, partition: int) -> int | None:
+        """The next offset :meth:`get_many` returns from ``partition`` (None before start)."""
+        return self._positions.get(partition)
+
+    def highwater(self, partition: int) -> int | None:
+        """The partition's end offset as of the last fetch response (None before one)."""
+        consumer = self._consumer
+        if consumer is None:
+            return None
+        highwater: int | None = consumer.highwater(TopicPartition(self.topic, partition))
+        return highwater
 
     async def end_offsets(self) -> dict[int, int]:
         """Current end offset (next offset to be written) of every partition."""
@@ -176,6 +199,7 @@ class TopicTail:
         if tp not in self._assigned:
             raise ValueError(f"{self.topic} has no partition {partition}")
         consumer.seek(tp, offset)
+        self._holes.forget(tp)
         try:
             batches = await consumer.getmany(tp, timeout_ms=int(timeout_s * 1000), max_records=1)
         except KafkaError as exc:

@@ -54,6 +54,9 @@ from conveyor.services.aggregator.shard import SliceShard
 logger = logging.getLogger(__name__)
 
 _CONTROL_POLL_S = 0.2
+_STALL_WARN_S = 5.0
+"""A slice whose next StepClose is folded but not applied for this long is logged (with
+what it waits for), again every such period."""
 
 
 class JobAggregator:
@@ -106,6 +109,10 @@ class JobAggregator:
         """Start (monotonic s) of the latest control fetch that found nothing left to read."""
         self._owned_since: float | None = None
         """Since when (monotonic s) this process owns partition 0."""
+        self._engine_doing = "starting"
+        """What the engine task awaits now (stall warnings)."""
+        self._unchanged_since: dict[int, tuple[int, float]] = {}
+        """Slice -> (version, monotonic s since it is at that version), for stall warnings."""
         self._tracer = trace.get_tracer(__name__)
         self._grads_topic = self.topics.grads(ctx.job_id)
         self._params_topic = self.topics.params(ctx.job_id)
@@ -132,6 +139,7 @@ class JobAggregator:
                     tasks.create_task(self._read_control(control))
                     tasks.create_task(self._read_grads(grads))
                     tasks.create_task(self._engine(control, grads))
+                    tasks.create_task(self._watch(control, grads))
             except BaseExceptionGroup as group:
                 # One task's failure cancels the others; callers expect that exception.
                 raise group.exceptions[0] from None
@@ -195,15 +203,49 @@ class JobAggregator:
 
     async def _engine(self, control: TopicTail, grads: Consumer) -> None:
         while True:
+            self._engine_doing = "waiting for records"
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
             self._wake.clear()
+            self._engine_doing = "following the assignment"
             await self._follow_assignment(grads)
             for shard in list(self.shards.values()):
                 await self._advance(shard, grads)
             if self._may_lead(control):
+                self._engine_doing = "coordinating"
                 await self.leader.act()
             self.metrics.held_slices.set(sum(s.buffered for s in self.shards.values()))
+
+    async def _watch(self, control: TopicTail, grads: Consumer) -> None:
+        while True:
+            await asyncio.sleep(_STALL_WARN_S / 2)
+            self._warn_if_stalled(control, grads)
+
+    def _warn_if_stalled(self, control: TopicTail, grads: Consumer) -> None:
+        """Log a slice that has not moved for _STALL_WARN_S although its next StepClose is
+        folded or the control log has records not read yet: which slices it lacks and how far
+        its readers got (a step takes milliseconds)."""
+        now = time.monotonic()
+        control_at, control_end = control.position(0), control.highwater(0)
+        control_behind = None not in (control_at, control_end) and control_end > control_at  # type: ignore[operator]
+        for index, shard in self.shards.items():
+            version, since = self._unchanged_since.get(index, (-1, now))
+            if shard.version != version:
+                self._unchanged_since[index] = (shard.version, now)
+                continue
+            close = self.coordinator.closes.get(version + 1)
+            if (close is None and not control_behind) or now - since < _STALL_WARN_S:
+                continue
+            self._unchanged_since[index] = (version, now)  # again after another period
+            position, highwater = grads.offsets(self._grads_topic, index)
+            logger.warning(
+                "job %s: slice %d at version %d for %.0f s; next StepClose folded: %s, "
+                "slices missing: %s; grads partition %d: fetch position %s, high-water %s, "
+                "%d records unacked, paused %s; control position %s, high-water %s; engine: %s",
+                self.ctx.job_id, index, version, now - since, close is not None,
+                shard.missing(close) if close is not None else "-", index, position, highwater,
+                grads.in_flight, grads.paused, control_at, control_end, self._engine_doing,
+            )  # fmt: skip
 
     def _may_lead(self, control: TopicTail) -> bool:
         """Whether to decide now: this process owns partition 0 and has folded every control
@@ -268,7 +310,11 @@ class JobAggregator:
                     "conveyor.contributions": len(close.contributions),
                 },
             ):
+                self._engine_doing = (
+                    f"applying version {close.version} to slice {shard.slice_index}"
+                )
                 values = await asyncio.to_thread(_step, shard, close, slices)
+                self._engine_doing = f"publishing ParamSlice {shard.slice_index} v{close.version}"
                 await self._publish(shard.slice_index, close.version, values)
             for received in records:
                 grads.ack(received)
