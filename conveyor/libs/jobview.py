@@ -35,14 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
-
-from conveyor.libs.bus.errors import BusError, from_kafka_error
-from conveyor.libs.bus.options import consumer_options
-from conveyor.libs.codec import CodecError, CodecLimits, decode
+from conveyor.libs.bus.errors import BusError
+from conveyor.libs.bus.tail import TopicTail
 from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import JobEvent
+from conveyor.libs.messages import JobEvent, Message
 from conveyor.libs.telemetry import counter, gauge
 
 logger = logging.getLogger(__name__)
@@ -363,11 +359,13 @@ OnApplied = Callable[[JobView, JobEvent], None]
 class JobLogReader:
     """Folds the jobs topic into ``view`` and calls ``on_applied``; single use.
 
-    ``start()`` assigns every partition at the earliest offset and captures the end offsets;
-    ``run()`` consumes until cancelled. Broker failures raise :class:`BusError`; a record that
-    does not decode as a JobEvent is logged, counted and skipped (a view must not stop on one
-    bad record; readers do not write the DLQ, which would get a copy per restart). ``service``
-    names the metrics ``conveyor_<service>_skipped_events_total`` and ``conveyor_<service>_jobs``.
+    ``start()`` reads every partition from the earliest offset (a :class:`TopicTail`, so holes
+    in the offsets are read again) and captures the end offsets; ``run()`` consumes until
+    cancelled. Broker failures raise :class:`BusError`; a record that does not decode, or is
+    not a JobEvent, is logged, counted and skipped (a view must not stop on one bad record;
+    readers do not write the DLQ, which would get a copy per restart): undecodable ones by the
+    tail's skipped-records metric, other messages by ``conveyor_<service>_skipped_events_total``.
+    ``service`` also names the gauge ``conveyor_<service>_jobs``.
     """
 
     def __init__(
@@ -383,10 +381,8 @@ class JobLogReader:
         self._topic = topic
         self._view = view
         self._on_applied = on_applied
-        self._limits = CodecLimits(max_message_bytes=settings.max_message_bytes)
-        self._consumer: AIOKafkaConsumer | None = None
+        self._tail: TopicTail | None = None
         self._targets: dict[int, int] = {}
-        self._positions: dict[int, int] = {}
         self._caught_up = asyncio.Event()
         self._progress = asyncio.Condition()
         self._skipped = counter(
@@ -404,53 +400,34 @@ class JobLogReader:
         return self._caught_up.is_set()
 
     async def start(self) -> None:
-        """Assign every partition of the topic from the beginning. BusError if it has none."""
-        options = consumer_options(self._settings, group_id="unused")
-        options.update(group_id=None)
-        consumer = AIOKafkaConsumer(**options)
+        """Read every partition of the topic from the beginning. BusError if it has none."""
+        tail = TopicTail(self._settings, self._topic)
+        await tail.start()
         try:
-            await consumer.start()
-            await consumer.topics()  # loads the cluster metadata partitions_for_topic reads
-            partitions = sorted(consumer.partitions_for_topic(self._topic) or ())
-            if not partitions:
-                raise BusError(f"topic {self._topic} has no partitions (was it created?)")
-            assigned = [TopicPartition(self._topic, p) for p in partitions]
-            consumer.assign(assigned)
-            await consumer.seek_to_beginning(*assigned)
-            ends = await consumer.end_offsets(assigned)
-        except KafkaError as exc:
-            await consumer.stop()
-            raise from_kafka_error(exc, f"reading {self._topic}") from exc
+            self._targets = await tail.end_offsets()
         except BaseException:
-            await consumer.stop()
+            await tail.stop()
             raise
-        self._consumer = consumer
-        self._targets = {tp.partition: offset for tp, offset in ends.items()}
-        self._positions = dict.fromkeys(partitions, 0)
+        self._tail = tail
         logger.info("replaying %s up to offsets %s", self._topic, self._targets)
         self._check_caught_up()
 
     async def stop(self) -> None:
-        """Close the consumer. Safe to call twice."""
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            await consumer.stop()
+        """Close the reader. Safe to call twice."""
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            await tail.stop()
 
     async def run(self) -> None:
         """Consume and apply until cancelled."""
-        consumer = self._consumer
-        if consumer is None:
+        tail = self._tail
+        if tail is None:
             raise BusError("JobLogReader.run() before start()")
         while True:
-            try:
-                batches = await consumer.getmany(timeout_ms=_POLL_TIMEOUT_MS)
-                for tp, records in batches.items():
-                    for record in records:
-                        self._apply(record.value)
-                    self._positions[tp.partition] = await consumer.position(tp)
-            except KafkaError as exc:
-                raise from_kafka_error(exc, f"reading {self._topic}") from exc
-            if batches:
+            records = await tail.get_many(_POLL_TIMEOUT_MS / 1000)
+            for record in records:
+                self._apply(record.message)
+            if records:
                 self._update_gauge()
                 async with self._progress:
                     self._progress.notify_all()
@@ -465,15 +442,13 @@ class JobLogReader:
         Raises ``TimeoutError`` after ``timeout_s`` seconds.
         """
         async with asyncio.timeout(timeout_s), self._progress:
-            await self._progress.wait_for(lambda: self._positions.get(partition, 0) > offset)
+            await self._progress.wait_for(lambda: self._position(partition) > offset)
 
-    def _apply(self, value: bytes | None) -> None:
-        try:
-            message = decode(value or b"", limits=self._limits)
-        except CodecError as exc:
-            self._skipped.inc()
-            logger.warning("skipping undecodable record on %s: %s", self._topic, exc)
-            return
+    def _position(self, partition: int) -> int:
+        position = self._tail.position(partition) if self._tail is not None else None
+        return position or 0
+
+    def _apply(self, message: Message) -> None:
         if not isinstance(message, JobEvent):
             self._skipped.inc()
             logger.warning("skipping %s on %s: not a JobEvent", type(message).__name__, self._topic)
@@ -486,8 +461,7 @@ class JobLogReader:
         if self._caught_up.is_set():
             return
         if all(
-            self._positions.get(p, 0) >= self._replay_target(p, end)
-            for p, end in self._targets.items()
+            self._position(p) >= self._replay_target(p, end) for p, end in self._targets.items()
         ):
             self._update_gauge()
             self._caught_up.set()
@@ -500,9 +474,7 @@ class JobLogReader:
         record batch + 1, which undercounts when that batch holds several records; the
         high-water mark in fetch responses is right, so the larger of the two is used once a
         fetch has reported it."""
-        if self._consumer is None:
-            return end_offset
-        highwater = self._consumer.highwater(TopicPartition(self._topic, partition))
+        highwater = self._tail.highwater(partition) if self._tail is not None else None
         return max(end_offset, highwater or 0)
 
     def _update_gauge(self) -> None:
