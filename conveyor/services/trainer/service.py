@@ -170,8 +170,21 @@ class TrainerService(Service):
                 job_id, self.settings.retry_backoff_s, exc_info=exc,
             )  # fmt: skip
             await asyncio.sleep(self.settings.retry_backoff_s)
+        elif (reason := await self._ended_meanwhile(watcher, job_id)) is not None:
+            # A job that ended as this trainer joined has its topics deleted under it.
+            self._finished.add(job_id)
+            logger.info("left job %s: %s (%s: %s)", job_id, reason, type(exc).__name__, exc)
         else:
             raise exc
+
+    async def _ended_meanwhile(self, watcher: JobWatcher, job_id: str) -> str | None:
+        """Why ``job_id`` should be left, waiting up to ``retry_backoff_s`` for the jobs topic
+        to say so; None when it goes on."""
+        try:
+            async with asyncio.timeout(self.settings.retry_backoff_s):
+                return await watcher.wait_stop(job_id)
+        except TimeoutError:
+            return None
 
     async def _finish(self, producer: Producer, job_id: str, event: str, reason: str) -> None:
         """Publish a terminal event for ``job_id`` and never join it again."""
