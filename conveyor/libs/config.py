@@ -104,11 +104,12 @@ class KafkaSettings(_FileAwareSettings):
     heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
     max_poll_interval_s: Annotated[float, Field(gt=0)] = 300.0
     linger_ms: Annotated[int, Field(ge=0)] = Field(
-        default=0,
+        default=5,
         description=(
-            "How long a producer holds a record to batch it with others. 0: every gradient-"
-            "plane hop (four per sync step) goes out at once; records sent while a request is "
-            "in flight are still batched together."
+            "How long a producer holds a record to batch it with others. 0 shortens every "
+            "gradient-plane hop (~30% shorter digits steps), but an aggregator failover then "
+            "hangs on the embedded broker (4 of 6 runs of the failover test), so it is not "
+            "the default."
         ),
     )
     fetch_max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] = Field(
