@@ -665,18 +665,24 @@ def test_pickle_is_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(pickle, name, refuse)
     decoded = decode(encode(sample()))
     assert isinstance(decoded, Sample) and torch.equal(decoded.t, sample().t)
-    tree = ast.parse(Path(codec.__file__).read_text())
-    imported = {
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for alias in node.names
-    }
-    imported |= {
-        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-    }
-    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
-    assert "pickle" not in imported and not attributes & {"load", "loads"}  # no torch.load
+    sources = sorted(Path(codec.__file__).parent.glob("*.py"))  # every module of the package
+    assert len(sources) > 1
+    for source in sources:
+        tree = ast.parse(source.read_text())
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        imported |= {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        # no torch.load either
+        assert "pickle" not in imported and not attributes & {"load", "loads"}, source
 
 
 # -------------------------------------------------------------------------------- fuzzing
