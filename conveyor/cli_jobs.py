@@ -33,6 +33,7 @@ SUMMARY_FIELDS = (
     "eval_loss",
     "samples_per_second",
     "data_wait_ratio",
+    "grad_bytes_per_step",
     "checkpoint",
 )
 
@@ -142,6 +143,7 @@ def summary_of(job: dict[str, Any]) -> dict[str, Any]:
         "eval_loss": last_epoch.get("eval_loss"),
         "samples_per_second": progress.get("samples_per_second"),
         "data_wait_ratio": progress.get("data_wait_ratio"),
+        "grad_bytes_per_step": None,
         "checkpoint": None,
     }
     summary = {key: reported.get(key, fallback[key]) for key in SUMMARY_FIELDS}
