@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import ConsumerStoppedError, KafkaError
-from aiokafka.protocol.group import LeaveGroupRequest
 
 from conveyor.libs.bus.dead_letters import DeadLetters
 from conveyor.libs.bus.errors import BusError, BusUnavailable, ConsumerStopped, from_kafka_error
+from conveyor.libs.bus.group import RebalanceListener, fetch_position, stop_and_leave
 from conveyor.libs.bus.holes import HOLE_RETRY_S, HoleGuard
 from conveyor.libs.bus.metrics import (
     register_lag_source,
@@ -125,7 +125,7 @@ class Consumer:
         consumer = AIOKafkaConsumer(**consumer_options(self._settings, self._group_id))
         try:
             await consumer.start()
-            consumer.subscribe(self._topics, listener=_RebalanceListener(self))
+            consumer.subscribe(self._topics, listener=RebalanceListener(self))
         except KafkaError as exc:
             await consumer.stop()
             await self._dead_letters.stop()
@@ -161,7 +161,7 @@ class Consumer:
                     await self._commit(consumer, list(self._in_flight.partitions))
                 except BusError as exc:
                     logger.warning("group %s: final commit failed: %s", self._group_id, exc)
-                await _stop_and_leave(consumer, self._group_id)
+                await stop_and_leave(consumer, self._group_id)
         finally:
             self._in_flight.clear()
             await self._dead_letters.stop()
@@ -205,7 +205,7 @@ class Consumer:
         if consumer is None:
             return None, None
         tp = TopicPartition(topic, partition)
-        return _fetch_position(consumer, tp), consumer.highwater(tp)
+        return fetch_position(consumer, tp), consumer.highwater(tp)
 
     def lag(self, topic_kind: str | None = None) -> int:
         """Records not yet delivered to the application, summed over assigned partitions
@@ -221,7 +221,7 @@ class Consumer:
                 continue
             highwater = consumer.highwater(tp)
             if position is None:
-                position = _fetch_position(consumer, tp)
+                position = fetch_position(consumer, tp)
             if highwater is not None and position is not None:
                 total += max(0, highwater - position)
         return total
@@ -483,45 +483,3 @@ class Consumer:
 
 class _NoValue(Exception):
     """A record without a value (a tombstone): nothing to decode."""
-
-
-class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Commits acked offsets before partitions move, and resets bookkeeping after."""
-
-    def __init__(self, owner: Consumer) -> None:
-        self._owner = owner
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self._owner._on_revoked(set(revoked))
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._owner._on_assigned(set(assigned))
-
-
-async def _stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
-    """Stop ``consumer`` and leave the group, so that its partitions move at once.
-
-    aiokafka sends LeaveGroup only when the generation is > 0, but Tansu numbers a group's
-    first generation 0; its members would hold their partitions until their session timed
-    out. For that case the request is sent here (aiokafka 0.14 internals; the version is
-    pinned), after the coordinator stopped heartbeating and before the connection closes.
-    """
-    coordinator = getattr(consumer, "_coordinator", None)
-    member_id = getattr(coordinator, "member_id", "")
-    if coordinator is not None and getattr(coordinator, "generation", -1) == 0 and member_id:
-        await coordinator.close()  # idempotent: consumer.stop() calls it again
-        try:
-            await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
-        except KafkaError as exc:
-            logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
-    await consumer.stop()
-
-
-def _fetch_position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
-    # aiokafka only exposes the position as a coroutine (it may wait for a reset); the lag
-    # gauge is read synchronously at scrape time, so read the known position, if any.
-    try:
-        state = consumer._subscription.subscription.assignment.state_value(tp)
-    except (AttributeError, KeyError):
-        return None
-    return state.position if state.has_valid_position else None
