@@ -6,9 +6,7 @@ import pytest
 from storage_backends import s3_settings
 
 from conveyor.libs.config import StorageSettings
-from conveyor.libs.storage import (
-    open_store,
-)
+from conveyor.libs.storage import open_store
 
 
 @pytest.mark.parametrize(

@@ -38,12 +38,7 @@ from conveyor.libs.codec import (
     decode,
     encode,
 )
-from conveyor.libs.messages import (
-    Batch,
-    Message,
-    ShardTask,
-    message,
-)
+from conveyor.libs.messages import Batch, Message, ShardTask, message
 
 # ------------------------------------------------------------------------- decode rejects
 

@@ -7,12 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from codec_cases import (
-    One,
-    Plain,
-    Sample,
-    sample,
-)
+from codec_cases import One, Plain, Sample, sample
 
 from conveyor.libs.codec import (
     CodecLimits,
@@ -22,9 +17,7 @@ from conveyor.libs.codec import (
     decode,
     encode,
 )
-from conveyor.libs.messages import (
-    Message,
-)
+from conveyor.libs.messages import Message
 
 # ---------------------------------------------------------------------------------- limits
 

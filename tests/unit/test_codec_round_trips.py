@@ -25,21 +25,8 @@ from codec_cases import (
     sample,
 )
 
-from conveyor.libs.codec import (
-    ALIGN_BYTES,
-    DTYPES,
-    PREFIX_BYTES,
-    decode,
-    encode,
-)
-from conveyor.libs.messages import (
-    Batch,
-    DeadLetter,
-    Heartbeat,
-    JobEvent,
-    Message,
-    ShardTask,
-)
+from conveyor.libs.codec import ALIGN_BYTES, DTYPES, PREFIX_BYTES, decode, encode
+from conveyor.libs.messages import Batch, DeadLetter, Heartbeat, JobEvent, Message, ShardTask
 
 # ------------------------------------------------------------------------------ round trips
 
