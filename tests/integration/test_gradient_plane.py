@@ -21,46 +21,24 @@ be free again right after their job completed.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import math
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
-from plane_harness import (
-    Jobs,
-    assert_exactly_once,
-    follow,
-    job_log,
-    pipeline,
-    running,
-    submit,
-    trainer,
-)
+from plane_capture import Plane, Run
+from plane_harness import assert_exactly_once, job_log, pipeline
+from plane_replay import assert_replays
 from torch import nn
-from torch.nn import functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from conveyor.libs.config import KafkaSettings
 from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import (
-    Batch,
-    Contribution,
-    GradSlice,
-    Message,
-    ParamSlice,
-    Rejection,
-    StepClose,
-    Topics,
-)
+from conveyor.libs.messages import GradSlice
 from conveyor.libs.slicing import ParamLayout, build_job_model
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
@@ -85,8 +63,6 @@ SPEC: dict[str, Any] = {
 SLOW_TRAINER_DELAY_S = 0.04
 STALENESS = 2
 TOPK_RATIO = 0.01
-CAPTURE_TIMEOUT_S = 15.0
-IDLE_TIMEOUT_S = 10.0
 
 
 def spec_with(*, optimizer: dict[str, Any] = SGD, **distribution: Any) -> dict[str, Any]:
@@ -94,139 +70,6 @@ def spec_with(*, optimizer: dict[str, Any] = SGD, **distribution: Any) -> dict[s
     spec["training"]["optimizer"] = dict(optimizer)
     spec["distribution"].update(distribution)
     return spec
-
-
-@dataclass(slots=True)
-class Run:
-    """One finished job: its spec, plan, summary and what its topics held (first record of
-    each key wins, as the services fold them)."""
-
-    job_id: str
-    spec: dict[str, Any]
-    planned: dict[str, Any]
-    summary: dict[str, Any]
-    closes: dict[int, StepClose]
-    contributions: dict[str, Contribution]
-    rejections: list[Rejection]
-    batches: dict[str, Batch]
-    grads: dict[tuple[str, int], GradSlice]
-    params: dict[tuple[int, int], ParamSlice]
-
-    @property
-    def num_slices(self) -> int:
-        return int(self.spec["distribution"]["aggregator_shards"])
-
-    @property
-    def final_version(self) -> int:
-        return int(self.summary["versions"])
-
-    def flat_params(self, version: int) -> torch.Tensor:
-        """fp32 [N]: the published slices of ``version``, concatenated."""
-        return torch.cat([self.params[(p, version)].values for p in range(self.num_slices)])
-
-    def applied(self) -> list[dict[str, Any]]:
-        """Every applied contribution entry of every StepClose, in version order."""
-        return [entry for v in sorted(self.closes) for entry in self.closes[v].contributions]
-
-
-def fold(run: Run, messages: Iterable[Message]) -> None:
-    for message in messages:
-        if isinstance(message, StepClose):
-            run.closes.setdefault(message.version, message)
-        elif isinstance(message, Contribution):
-            run.contributions.setdefault(message.contribution_id, message)
-        elif isinstance(message, Rejection):
-            run.rejections.append(message)
-        elif isinstance(message, Batch):
-            held = run.batches.setdefault(message.batch_id, message)
-            assert torch.equal(held.x, message.x) and torch.equal(held.y, message.y)
-        elif isinstance(message, GradSlice):
-            run.grads.setdefault((message.contribution_id, message.slice_index), message)
-        elif isinstance(message, ParamSlice):
-            run.params.setdefault((message.slice_index, message.version), message)
-
-
-def capture_complete(run: Run) -> bool:
-    """Every version's close and slices, every applied batch and gradient slice was read."""
-    versions = range(run.final_version + 1)
-    return (
-        all(v in run.closes for v in versions if v > 0)
-        and all((p, v) in run.params for v in versions for p in range(run.num_slices))
-        and all(b in run.batches for close in run.closes.values() for b in close.batch_ids)
-        and all(
-            (entry["contribution_id"], p) in run.grads
-            for entry in run.applied()
-            if entry["num_samples"] > 0
-            for p in range(run.num_slices)
-        )
-    )
-
-
-class Plane:
-    """The shared pipeline; :meth:`run` trains one job with two fresh trainers (once per
-    name: later calls get the same :class:`Run`)."""
-
-    def __init__(self, kafka: KafkaSettings, topics: Topics, jobs: Jobs, objects: Path) -> None:
-        self.kafka, self.topics, self.jobs, self.objects = kafka, topics, jobs, objects
-        self._runs: dict[str, Run] = {}
-        self._lock = asyncio.Lock()
-
-    async def run(
-        self, name: str, spec: dict[str, Any], *, slow: dict[str, float] | None = None
-    ) -> Run:
-        async with self._lock:
-            if name not in self._runs:
-                started = time.monotonic()
-                self._runs[name] = await self._train(name, spec, slow or {})
-                print(f"job {name}: {time.monotonic() - started:.1f} s")
-            return self._runs[name]
-
-    async def _train(self, job_id: str, spec: dict[str, Any], slow: dict[str, float]) -> Run:
-        kafka, topics, jobs = self.kafka, self.topics, self.jobs
-        trainers = [
-            trainer(kafka, name, simulated_step_delay_s=slow.get(name, 0.0))
-            for name in ("t-a", "t-b")
-        ]
-        async with running(trainers[0]), running(trainers[1]):
-            await submit(kafka, topics, job_id, spec)
-            await jobs.wait_for(lambda: jobs.of("planned", job_id))
-            # Read while the job runs: its topics are deleted when it ends.
-            captured: list[list[Any]] = [[], [], [], []]
-            names = (topics.control, topics.batches, topics.grads, topics.params)
-            following = [
-                asyncio.create_task(follow(kafka, name(job_id), into))
-                for name, into in zip(names, captured, strict=True)
-            ]
-            try:
-                await jobs.wait_for(
-                    lambda: jobs.of("completed", job_id) or jobs.of("failed", job_id)
-                )
-                assert not jobs.of("failed", job_id), jobs.of("failed", job_id)
-                run = Run(
-                    job_id=job_id, spec=spec, planned=jobs.of("planned", job_id)[0],
-                    summary=jobs.of("completed", job_id)[0]["summary"], closes={},
-                    contributions={}, rejections=[], batches={}, grads={}, params={},
-                )  # fmt: skip
-                deadline = time.monotonic() + CAPTURE_TIMEOUT_S
-                while True:
-                    for into in captured:
-                        fold(run, into)
-                        into.clear()
-                    if capture_complete(run):
-                        break
-                    assert time.monotonic() < deadline, "the topics were not read in time"
-                    await asyncio.sleep(0.1)
-            finally:
-                for task in following:
-                    task.cancel()
-                await asyncio.gather(*following, return_exceptions=True)
-            # Leaving a finished job (whose topics are gone) must not hold a trainer up: it
-            # is free for the next job at once.
-            deadline = time.monotonic() + IDLE_TIMEOUT_S
-            while busy := [t.settings.worker_id for t in trainers if t.current_job is not None]:
-                assert time.monotonic() < deadline, f"{busy} still in job {job_id}"
-                await asyncio.sleep(0.1)
-        return run
 
 
 @pytest.fixture(scope="module")
@@ -264,134 +107,6 @@ async def plane(
 
 
 # -- 1. equivalence ------------------------------------------------------------------------
-
-
-class Replica:
-    """The job's model in one plain process: gradients of captured batches at any version."""
-
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.model = build_job_model(
-            JobSpec.from_dict(run.spec),
-            num_classes=run.planned["num_classes"],
-            sample_shape=run.planned["sample_shape"],
-        )  # version 0
-        self._scratch = copy.deepcopy(self.model)  # computes gradients at a given version
-        self._scratch.train()
-        normalize = run.spec["preprocess"]["normalize"]
-        self._mean = torch.tensor(normalize["mean"]).view(1, -1, 1, 1)
-        self._std = torch.tensor(normalize["std"]).view(1, -1, 1, 1)
-
-    def flat(self) -> torch.Tensor:
-        """fp32 [N] copy of the model's parameters."""
-        return parameters_to_vector(self.model.parameters()).detach().clone()
-
-    def gradient(self, flat: torch.Tensor, batch_ids: list[str]) -> tuple[torch.Tensor, int]:
-        """(fp32 [N] gradient of the summed cross-entropy of ``batch_ids`` at parameters
-        ``flat`` [N], accumulated batch after batch; their sample count)."""
-        vector_to_parameters(flat, self._scratch.parameters())
-        self._scratch.zero_grad(set_to_none=True)
-        samples = 0
-        for batch_id in batch_ids:
-            batch = self.run.batches[batch_id]
-            x = (batch.x.to(torch.float32) / 255.0 - self._mean) / self._std  # [B,C,H,W]
-            loss = F.cross_entropy(self._scratch(x), batch.y, reduction="sum")
-            loss.backward()  # type: ignore[no-untyped-call]
-            samples += batch.y.numel()
-        grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p)
-            for p in self._scratch.parameters()
-        ]
-        return parameters_to_vector(grads), samples
-
-
-def replay(
-    run: Run, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-) -> list[torch.Tensor]:
-    """Plain single-process training through the run's StepCloses in version order: the
-    flat parameters [N] at every version.
-
-    Each contribution's gradient is computed here, on this replay's own parameters of the
-    contribution's base version (sync: the previous version; ssp: up to s versions older),
-    its batches in one accumulation; the step's gradient is their sum in the close's order
-    (the order of float additions the protocol defines) divided by the step's sample count,
-    then one optimizer step over ``model.parameters()`` at the close's lr.
-    """
-    replica = Replica(run)
-    params = list(replica.model.parameters())
-    optimizer = make_optimizer(params)
-    versions = [replica.flat()]
-    for version in range(1, run.final_version + 1):
-        close = run.closes[version]
-        optimizer.zero_grad(set_to_none=True)
-        if close.num_samples > 0:  # an empty step makes a version but changes nothing
-            step_grad = torch.zeros_like(versions[0])  # [N]
-            batch_ids: list[str] = []
-            for entry in close.contributions:
-                contribution = run.contributions[entry["contribution_id"]]
-                grad, samples = replica.gradient(
-                    versions[entry["base_version"]], contribution.batch_ids
-                )
-                assert samples == contribution.num_samples == entry["num_samples"]
-                if samples:
-                    step_grad += grad
-                batch_ids += contribution.batch_ids
-            assert batch_ids == close.batch_ids, f"version {version}"
-            step_grad /= close.num_samples
-            offset = 0
-            for param in params:
-                param.grad = step_grad[offset : offset + param.numel()].view_as(param).clone()
-                offset += param.numel()
-            for group in optimizer.param_groups:
-                group["lr"] = close.lr
-            optimizer.step()
-        versions.append(replica.flat())
-    return versions
-
-
-def assert_replays(
-    run: Run, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-) -> None:
-    """Every published version equals the replay (module docstring, property 1)."""
-    replayed = replay(run, make_optimizer)
-    # Version 0 is the same seeded build everywhere: bit-identical.
-    assert torch.equal(replayed[0], run.flat_params(0))
-    # Same batches, same kernels on one thread, same order of additions: what is left to
-    # differ is the rounding of the optimizer's element-wise kernels on one flat slice
-    # against per-parameter tensors (vectorised body vs scalar tail: <= 1 ulp per operation),
-    # ~1e-7 relative after ~28 steps at most (observed: identical). The bound is tight:
-    # one batch applied twice or missing, a wrong lr or divisor moves parameters by > 1e-4.
-    final = run.final_version
-    for version in range(1, final + 1):
-        published = run.flat_params(version)
-        diff = (replayed[version] - published).abs().max().item()
-        if version in (final // 2, final):
-            print(f"{run.job_id} version {version}: max |replay - published| = {diff:.3g}")
-        close = torch.allclose(replayed[version], published, rtol=1e-5, atol=1e-6)
-        assert close, f"max diff {diff:.3g}\n{explain(run, version)}"
-    # It really trained: the last version is far from the first.
-    assert (run.flat_params(final) - run.flat_params(0)).abs().max().item() > 1e-2
-
-
-def explain(run: Run, version: int) -> str:
-    """Why ``version`` differs: each contribution's gradient on the wire against the gradient
-    of its batches computed here on the published parameters of its base version."""
-    close = run.closes[version]
-    lines = [f"version {version}: {close}"]
-    replica = Replica(run)
-    for entry in close.contributions:
-        if entry["num_samples"] == 0:
-            continue
-        cid = entry["contribution_id"]
-        contribution = run.contributions[cid]
-        local, _ = replica.gradient(run.flat_params(entry["base_version"]), contribution.batch_ids)
-        sent = torch.cat([run.grads[(cid, p)].values for p in range(run.num_slices)])
-        lines.append(
-            f"  {cid} base {entry['base_version']} batches {contribution.batch_ids}: "
-            f"max |sent - local| = {(sent - local).abs().max().item():.3g} "
-            f"(max |local| {local.abs().max().item():.3g})"
-        )
-    return "\n".join(lines)
 
 
 OPTIMIZERS: dict[str, tuple[dict[str, Any], Callable[[list[nn.Parameter]], Any]]] = {
