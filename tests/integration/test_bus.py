@@ -167,6 +167,30 @@ async def test_member_leaving_hands_over_the_rest(settings: KafkaSettings) -> No
     assert len(seen["b"]) >= total - 40
 
 
+async def test_leaving_while_another_member_joins_does_not_wedge_the_group(
+    settings: KafkaSettings,
+) -> None:
+    # Tansu 0.6 wedges a group for good when its leader sends LeaveGroup while another
+    # member's JoinGroup is pending (every SyncGroup then fails); the bus leaves by session
+    # timeout in that case. The leaving member heartbeats rarely, so it has not yet heard of
+    # the join when it stops, as an aggregator stopped right after a new one started.
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic, partitions=2))
+    quiet = settings.model_copy(update={"heartbeat_interval_s": settings.session_timeout_s * 0.8})
+    leaving = Consumer(quiet, [topic], group_id=group(settings))
+    joining = Consumer(settings, [topic], group_id=group(settings))
+    await leaving.start()
+    try:
+        await wait_assigned(leaving, partitions=2)
+        await joining.start()
+        await asyncio.sleep(0.2)  # its JoinGroup is at the broker, which holds joins a while
+        await leaving.stop()
+        await wait_assigned(joining, partitions=2, timeout_s=6 * settings.session_timeout_s)
+    finally:
+        await leaving.stop()
+        await joining.stop()
+
+
 async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
     settings: KafkaSettings,
 ) -> None:

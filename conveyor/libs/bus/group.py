@@ -5,11 +5,11 @@ and the fetch position read without awaiting."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
-from aiokafka.protocol.group import LeaveGroupRequest
+from aiokafka.errors import KafkaError, RebalanceInProgressError
+from aiokafka.protocol.group import HeartbeatRequest, LeaveGroupRequest
 
 if TYPE_CHECKING:
     from conveyor.libs.bus.consumer import Consumer
@@ -31,22 +31,50 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
-    """Stop ``consumer`` and leave the group, so that its partitions move at once.
+    """Stop ``consumer`` and leave the group, so that its partitions move at once, unless
+    another member is joining right now.
 
     aiokafka sends LeaveGroup only when the generation is > 0, but Tansu numbers a group's
     first generation 0; its members would hold their partitions until their session timed
     out. For that case the request is sent here (aiokafka 0.14 internals; the version is
     pinned), after the coordinator stopped heartbeating and before the connection closes.
+
+    Tansu 0.6 wedges a group for good when its leader leaves while another member's JoinGroup
+    is pending: every later join names the departed member as leader and every SyncGroup
+    fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator stopped while a
+    new one joined hung its job). So a heartbeat is sent first; when it says the group is
+    rebalancing, no LeaveGroup goes out (aiokafka's is suppressed too) and the broker drops
+    this member after its session timeout instead, which Tansu handles.
     """
     coordinator = getattr(consumer, "_coordinator", None)
     member_id = getattr(coordinator, "member_id", "")
-    if coordinator is not None and getattr(coordinator, "generation", -1) == 0 and member_id:
-        await coordinator.close()  # idempotent: consumer.stop() calls it again
-        try:
-            await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
-        except KafkaError as exc:
-            logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
+    generation = getattr(coordinator, "generation", -1)
+    if coordinator is not None and member_id and generation >= 0:
+        if await _rebalancing(coordinator, group_id, generation, member_id):
+            logger.info(
+                "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
+                group_id,
+            )
+            # aiokafka's close() leaves only when the generation is > 0; closing right away
+            # (no await in between) keeps its heartbeat or a rejoin from using this one.
+            coordinator.generation = -1
+            await coordinator.close()
+        elif generation == 0:
+            await coordinator.close()  # idempotent: consumer.stop() calls it again
+            try:
+                await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
+            except KafkaError as exc:
+                logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
     await consumer.stop()
+
+
+async def _rebalancing(coordinator: Any, group_id: str, generation: int, member_id: str) -> bool:
+    """Whether the group coordinator answers a heartbeat with REBALANCE_IN_PROGRESS."""
+    try:
+        response = await coordinator._send_req(HeartbeatRequest(group_id, generation, member_id))
+    except KafkaError:
+        return False  # no answer: leaving is as good as anything
+    return bool(response.error_code == RebalanceInProgressError.errno)
 
 
 def fetch_position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
