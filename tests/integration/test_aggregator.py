@@ -129,6 +129,20 @@ async def stop(service: AggregatorService) -> None:
     assert await asyncio.wait_for(service.serving, 60) == 0  # type: ignore[attr-defined]
 
 
+async def slice_owner(
+    services: tuple[AggregatorService, ...], job_id: str, slice_index: int
+) -> AggregatorService:
+    """The service serving ``slice_index`` of the job; none does while the group rebalances
+    (e.g. the second aggregator is still joining), so wait for one."""
+    async with asyncio.timeout(30):
+        while True:
+            for service in services:
+                runtime = service.runtimes.get(job_id)
+                if runtime is not None and slice_index in runtime.shards:
+                    return service
+            await asyncio.sleep(0.02)
+
+
 def assert_matches_replay(peer: Peer) -> None:
     replay = peer.replay()
     assert set(replay) == set(range(len(peer.closes) + 1))
@@ -190,7 +204,7 @@ async def test_sync_two_shards_with_failover_matches_replay(
             await peer.wait_for(lambda v=version: peer.has_params(v))  # type: ignore[misc]
             if version == 3 and stopped_at is None:
                 # Stop the coordinator's process: its slice and the coordination move over.
-                owner = next(s for s in (first, second) if 0 in s.runtimes[ctx.job_id].shards)
+                owner = await slice_owner((first, second), ctx.job_id, 0)
                 await stop(owner)
                 stopped_at, survivor = version, second if owner is first else first
             if stopped_at is not None and version == stopped_at + 3:

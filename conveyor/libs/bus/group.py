@@ -4,6 +4,7 @@ and the fetch position read without awaiting."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from conveyor.libs.bus.consumer import Consumer
 
 logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 1.0
+"""Longest the heartbeat before a LeaveGroup may take."""
 
 
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -69,11 +73,15 @@ async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
 
 
 async def _rebalancing(coordinator: Any, group_id: str, generation: int, member_id: str) -> bool:
-    """Whether the group coordinator answers a heartbeat with REBALANCE_IN_PROGRESS."""
+    """Whether the group coordinator answers a heartbeat with REBALANCE_IN_PROGRESS, or not
+    within :data:`PROBE_TIMEOUT_S` (Tansu can hold it during a join: assume the worst)."""
+    request = HeartbeatRequest(group_id, generation, member_id)
     try:
-        response = await coordinator._send_req(HeartbeatRequest(group_id, generation, member_id))
+        response = await asyncio.wait_for(coordinator._send_req(request), PROBE_TIMEOUT_S)
+    except TimeoutError:
+        return True
     except KafkaError:
-        return False  # no answer: leaving is as good as anything
+        return False  # no coordinator to wedge
     return bool(response.error_code == RebalanceInProgressError.errno)
 
 
