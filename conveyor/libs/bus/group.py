@@ -43,27 +43,26 @@ async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     out. For that case the request is sent here (aiokafka 0.14 internals; the version is
     pinned), after the coordinator stopped heartbeating and before the connection closes.
 
-    Tansu 0.6 wedges a group for good when its leader leaves while another member's JoinGroup
-    is pending: every later join names the departed member as leader and every SyncGroup
-    fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator stopped while a
-    new one joined hung its job). So a heartbeat is sent first; when it says the group is
-    rebalancing, no LeaveGroup goes out (aiokafka's is suppressed too) and the broker drops
-    this member after its session timeout instead, which Tansu handles.
+    Tansu 0.6 wedges a group for good when its generation-0 leader leaves while another
+    member's JoinGroup is pending: every later join names the departed member as leader and
+    every SyncGroup fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator
+    stopped while a second one joined hung its job). So a heartbeat goes first; when it says
+    the group is rebalancing, no LeaveGroup goes out and the broker drops this member after
+    its session timeout instead, which Tansu handles. Later generations keep aiokafka's own
+    LeaveGroup: skipping it there would hold the other members' joins for a session timeout
+    (and their own stops with them), and no wedge was seen past generation 0.
     """
     coordinator = getattr(consumer, "_coordinator", None)
     member_id = getattr(coordinator, "member_id", "")
-    generation = getattr(coordinator, "generation", -1)
-    if coordinator is not None and member_id and generation >= 0:
-        if await _rebalancing(coordinator, group_id, generation, member_id):
+    if coordinator is not None and getattr(coordinator, "generation", -1) == 0 and member_id:
+        if await _rebalancing(coordinator, group_id, member_id):
             logger.info(
                 "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
                 group_id,
             )
-            # aiokafka's close() leaves only when the generation is > 0; closing right away
-            # (no await in between) keeps its heartbeat or a rejoin from using this one.
-            coordinator.generation = -1
+            coordinator.generation = -1  # what a member that never joined has: no LeaveGroup
             await coordinator.close()
-        elif generation == 0:
+        else:
             await coordinator.close()  # idempotent: consumer.stop() calls it again
             try:
                 await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
@@ -72,10 +71,10 @@ async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     await consumer.stop()
 
 
-async def _rebalancing(coordinator: Any, group_id: str, generation: int, member_id: str) -> bool:
+async def _rebalancing(coordinator: Any, group_id: str, member_id: str) -> bool:
     """Whether the group coordinator answers a heartbeat with REBALANCE_IN_PROGRESS, or not
     within :data:`PROBE_TIMEOUT_S` (Tansu can hold it during a join: assume the worst)."""
-    request = HeartbeatRequest(group_id, generation, member_id)
+    request = HeartbeatRequest(group_id, 0, member_id)
     try:
         response = await asyncio.wait_for(coordinator._send_req(request), PROBE_TIMEOUT_S)
     except TimeoutError:
