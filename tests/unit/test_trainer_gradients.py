@@ -158,3 +158,8 @@ def test_momentum_correction_works_in_mean_units_and_sends_sums() -> None:
     encoded = encoder.encode(small, 2)
     assert encoded.feedback_inputs is not None
     torch.testing.assert_close(encoded.feedback_inputs[0][5], torch.tensor(0.1))
+    # Element 5 is the largest accumulated one of slice 0 now: it goes out as the mean 0.1
+    # times this step's 2 samples (bf16 on the wire), and its velocity is masked.
+    assert sent(encoded)[5].item() == pytest.approx(0.2, rel=1e-2)
+    velocity = feedback.velocity(0)
+    assert velocity is not None and velocity[5] == 0.0
