@@ -34,8 +34,9 @@ first), eval accuracy of the last epoch from the job's summary, paired per repea
 100 * (dense - topk) points. Beside it, an in-process reference of the same algorithm (2
 simulated trainers with the trainer's own SliceEncoder, summed gradients / samples, the
 aggregator's optimizer over the flat parameters, no broker): it tells a system bug from a
-property of the algorithm. --investigate SEEDS runs only reference variants over SEEDS seeds
-(momentum at the aggregator instead of the trainers, no error feedback, ratio 0.05, 20 epochs).
+property of the algorithm (loadtests/topk_reference.py). --investigate SEEDS runs only its
+variants over SEEDS seeds (momentum at the aggregator instead of the trainers, no error
+feedback, ratio 0.05, 20 epochs).
 The last line printed is one JSON object:
     {..., "step_vs_local": r, ..., "step_vs_ddp_gloo": conveyor/ddp per-step time (small_cnn),
      "topk_bytes_reduction": dense / top-k bytes, "topk_accuracy_delta": points lost by top-k
@@ -72,21 +73,20 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import ConveyorStack, JobWatcher, scale_supported, thread_cpu_seconds
+from topk_reference import REFERENCE_SEEDS, investigate, reference_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = 2
 SHARDS = 2
 STACK_SCALE = {"trainer": TRAINERS, "aggregator": SHARDS}
 JOB_TIMEOUT_S = 600.0
-IDLE_S = 5.0
-"""Seconds the stack's idle CPU use is measured for, before the first job."""
+IDLE_SETTLE_S, IDLE_S = 5.0, 5.0
+"""Seconds the stack is left alone after it is up (the aggregators warm torch up in a thread
+then: measured at once, each showed ~200 ms CPU per second), then seconds its idle CPU use is
+measured for, before the first job."""
 STALL_S = 60.0
 """A job with no StepClose nor Contribution for this long is stalled: cancelled and reported."""
 TOPK_RATIO = 0.01
-REFERENCE_SEEDS = 48
-"""Seeds of the in-process reference's accuracy. One seed's delta is mostly noise (its spread
-over seeds is ~2 points, dense alone moves ~3 points between seeds on digits): 48 seeds put
-the standard error of the mean delta near 0.3 points (8 seeds: ~0.8)."""
 TARGET_REDUCTION, TARGET_DELTA_POINTS = 50.0, 1.5
 COMPRESSIONS: dict[str, dict[str, Any]] = {
     "none": {"kind": "none"},
@@ -511,120 +511,6 @@ def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# -- the in-process reference of the algorithm -------------------------------------------------
-
-
-def reference_accuracy(spec_dict: dict[str, Any], *, seed: int | None = None) -> float:
-    """Eval accuracy after training ``spec_dict`` with Conveyor's algorithm in this process:
-    each step's micro-batches dealt round-robin to the spec's trainers, each trainer's
-    summed-loss gradient over its micro-batches of the step encoded by its own SliceEncoder
-    (top-k residuals and momentum-correction velocities per trainer), the decoded slices
-    summed and divided by the step's samples, and the aggregator's optimizer over the flat
-    parameters (equal to per-slice optimizers)."""
-    from torch.nn import functional as F
-
-    from conveyor.libs.compression import decode_slice
-    from conveyor.libs.datasets import open_dataset
-    from conveyor.libs.jobspec import JobSpec
-    from conveyor.libs.optim import aggregator_optimizer, build_optimizer, lr_at
-    from conveyor.libs.plan import epoch_order, split_ids
-    from conveyor.libs.slicing import ParamLayout, build_job_model
-    from conveyor.services.trainer.gradients import SliceEncoder
-
-    data = json.loads(json.dumps(spec_dict))
-    if seed is not None:
-        data["training"]["seed"] = seed
-    spec = JobSpec.from_dict(data)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dataset = open_dataset(spec.dataset.uri)
-        train_ids, eval_ids = split_ids(
-            dataset.num_samples, spec.dataset.eval_fraction, spec.training.seed
-        )
-        model = build_job_model(
-            spec, num_classes=dataset.num_classes, sample_shape=dataset.sample_shape
-        )
-        layout = ParamLayout.from_model(model)
-        flat = torch.nn.Parameter(layout.flatten_params(model).clone())  # [N]
-        optimizer = build_optimizer(aggregator_optimizer(spec), [flat])
-        bounds = layout.slice_bounds(spec.distribution.aggregator_shards)
-        trainers = spec.distribution.trainers
-        encoders = [SliceEncoder.for_job(spec, bounds) for _ in range(trainers)]
-        norm = spec.preprocess.normalize
-        mean = torch.tensor(norm.mean if norm else [0.0]).view(1, -1, 1, 1)
-        std = torch.tensor(norm.std if norm else [1.0]).view(1, -1, 1, 1)
-
-        def batch(ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-            x, y = dataset.read([int(i) for i in ids])
-            x_float = (torch.from_numpy(np.asarray(x)).float() / 255.0 - mean) / std
-            return x_float, torch.as_tensor(np.asarray(y), dtype=torch.int64)
-
-        micro, per_step = spec.training.micro_batch_size, spec.micro_batches_per_step
-        steps_per_epoch = math.ceil(math.ceil(len(train_ids) / micro) / per_step)
-        total_steps, step_index = steps_per_epoch * spec.training.epochs, 0
-        for epoch in range(spec.training.epochs):
-            order = epoch_order(train_ids, spec.training.seed, epoch)
-            micro_batches = [order[i : i + micro] for i in range(0, len(order), micro)]
-            for first in range(0, len(micro_batches), per_step):
-                step = micro_batches[first : first + per_step]
-                layout.load_flat(model, flat.detach())
-                total = torch.zeros(layout.numel)
-                for trainer in range(min(trainers, len(step))):
-                    model.zero_grad(set_to_none=True)
-                    mine = step[trainer::trainers]
-                    for ids in mine:
-                        x, y = batch(ids)
-                        F.cross_entropy(model(x), y, reduction="sum").backward()  # type: ignore[no-untyped-call]
-                    samples = sum(len(ids) for ids in mine)
-                    encoded = encoders[trainer].encode(layout.flatten_grads(model), samples)
-                    total += torch.cat(
-                        [decode_slice(s.encoding, s.values, s.indices, s.numel)
-                         for s in encoded.slices]
-                    )  # fmt: skip
-                flat.grad = total / sum(len(ids) for ids in step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(spec.training.lr_schedule, spec.training.optimizer.lr,
-                                        step_index, total_steps)  # fmt: skip
-                optimizer.step()
-                step_index += 1
-                flat.grad = None
-        layout.load_flat(model, flat.detach())
-        model.eval()
-        with torch.no_grad():
-            x, y = batch(eval_ids)
-            return float((model(x).argmax(dim=1) == y).float().mean())
-    finally:
-        torch.set_num_threads(threads)
-
-
-INVESTIGATION: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    # name: (compression, overrides of training)
-    "dense": ({"kind": "none"}, {}),
-    "topk 1% + EF + momentum correction (the default)": (COMPRESSIONS["topk"], {}),
-    "topk 1% + EF, momentum at the aggregator": (
-        {**COMPRESSIONS["topk"], "momentum_correction": False},
-        {},
-    ),
-    "topk 1%, no EF": ({**COMPRESSIONS["topk"], "error_feedback": False}, {}),
-    "topk 5% + EF + momentum correction": ({**COMPRESSIONS["topk"], "ratio": 0.05}, {}),
-    "dense, 20 epochs": ({"kind": "none"}, {"epochs": 20}),
-    "topk 1% + EF + momentum correction, 20 epochs": (COMPRESSIONS["topk"], {"epochs": 20}),
-}
-
-
-def investigate(seeds: int) -> dict[str, list[float]]:
-    """Reference accuracy of each :data:`INVESTIGATION` variant for seeds 0..seeds-1."""
-    found: dict[str, list[float]] = {}
-    for name, (compression, overrides) in INVESTIGATION.items():
-        spec = digits_spec(epochs=5, compression="none")
-        spec["distribution"]["compression"] = dict(compression)
-        spec["training"].update(overrides)
-        found[name] = [reference_accuracy(spec, seed=seed) for seed in range(seeds)]
-        ERR.log(f"reference {name}: " + ", ".join(f"{a:.3f}" for a in found[name]))
-    return found
-
-
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -679,6 +565,7 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
         stack.start()
         ERR.log(f"stack up in {time.monotonic() - started:.0f} s: "
                 + ", ".join(name for name, _ in stack.processes()))  # fmt: skip
+        time.sleep(IDLE_SETTLE_S)
         before, at = stack_cpu(stack), time.monotonic()
         time.sleep(IDLE_S)
         after, idle_s = stack_cpu(stack), time.monotonic() - at
@@ -986,7 +873,8 @@ def main() -> None:
                         "(no stack, no baselines)")  # fmt: skip
     args = parser.parse_args()
     if args.investigate:
-        found = investigate(args.investigate)
+        base = digits_spec(epochs=5, compression="none")
+        found = investigate(base, COMPRESSIONS["topk"], args.investigate, log=ERR.log)
         print_investigation(found)
         print(json.dumps({f"mean_accuracy: {k}": round(statistics.fmean(v), 4)
                           for k, v in found.items()}))  # fmt: skip
