@@ -55,15 +55,15 @@ async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     coordinator = getattr(consumer, "_coordinator", None)
     member_id = getattr(coordinator, "member_id", "")
     if coordinator is not None and getattr(coordinator, "generation", -1) == 0 and member_id:
-        if await _rebalancing(coordinator, group_id, member_id):
+        rebalancing = await _rebalancing(coordinator, group_id, member_id)
+        if rebalancing:
             logger.info(
                 "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
                 group_id,
             )
             coordinator.generation = -1  # what a member that never joined has: no LeaveGroup
-            await coordinator.close()
-        else:
-            await coordinator.close()  # idempotent: consumer.stop() calls it again
+        await coordinator.close()  # idempotent: consumer.stop() calls it again
+        if not rebalancing:
             try:
                 await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
             except KafkaError as exc:
