@@ -407,3 +407,22 @@ async def test_admin_creates_lists_and_deletes(settings: KafkaSettings) -> None:
             await admin.delete_topics([f"{settings.topic_prefix}missing"], missing_ok=False)
     with pytest.raises(ValueError, match="partitions"):
         TopicSpec("x", partitions=0)
+
+
+async def test_clients_of_a_missing_topic_do_not_create_it(settings: KafkaSettings) -> None:
+    """A late consumer or producer of a deleted job topic must not bring it back (brokers with
+    auto-creation on, Tansu included, create any topic a client asks metadata for)."""
+    topics = Topics(settings.topic_prefix)
+    deleted, never = topics.grads("ended"), topics.grads("never")
+    await create(settings, TopicSpec(deleted))
+    async with TopicAdmin(settings) as admin:
+        await admin.delete_topics([deleted])
+    quick = settings.model_copy(update={"request_timeout_s": 2.0})
+    async with Consumer(quick, [deleted, never], group_id=group(settings)) as consumer:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(consumer.get(), 3)  # several metadata refreshes
+        async with Producer(quick) as producer:
+            with pytest.raises(BusError, match=never):
+                await producer.publish(never, event(0))
+    async with TopicAdmin(settings) as admin:
+        assert not {deleted, never} & await admin.list_topics()

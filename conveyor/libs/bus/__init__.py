@@ -1,6 +1,7 @@
 """The message bus: typed messages over Kafka topics (aiokafka), at-least-once, traced.
 
-* :class:`TopicAdmin` creates and deletes topics (nothing is auto-created).
+* :class:`TopicAdmin` creates and deletes topics. Nothing is auto-created: no client of the
+  bus asks the broker to create a topic by asking for its metadata (:mod:`.metadata`).
 * :class:`Producer` encodes, size-checks and sends; ``send`` returns the ack as a future.
 * :class:`Consumer` decodes, bounds in-flight work, commits only acked prefixes, parks
   undecodable records on the dead-letter topic, and reports its lag.
@@ -15,10 +16,13 @@ Client options derived from :class:`~conveyor.libs.config.KafkaSettings` live in
 from conveyor.libs.bus.admin import TopicAdmin, TopicSpec, ensure_topics
 from conveyor.libs.bus.consumer import Consumer, Handler
 from conveyor.libs.bus.errors import BusError, BusUnavailable, ConsumerStopped, RecordTooLarge
+from conveyor.libs.bus.metadata import disable_topic_auto_creation
 from conveyor.libs.bus.producer import Producer
 from conveyor.libs.bus.received import Received
 from conveyor.libs.bus.tail import Tailed, TopicTail, read_last
 from conveyor.libs.bus.tracing import extract_context, inject_headers, process_span
+
+disable_topic_auto_creation()  # before any client exists: see conveyor.libs.bus.metadata
 
 __all__ = [
     "BusError",
