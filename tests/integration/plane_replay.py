@@ -94,6 +94,8 @@ def replay(
                 offset += param.numel()
             for group in optimizer.param_groups:
                 group["lr"] = close.lr
+                if close.momentum is not None:
+                    group["momentum"] = close.momentum
             optimizer.step()
         versions.append(replica.flat())
     return versions

@@ -157,6 +157,9 @@ async def test_bounded_staleness_applies_nothing_staler_than_the_bound(plane: Pl
         contribution = run.contributions[entry["contribution_id"]]
         assert contribution.base_version == entry["base_version"]
         assert close.batch_ids == contribution.batch_ids
+        # SGD momentum 0.9 damped by the gradient's staleness; a fresh one keeps the job's.
+        expected = 0.9 / (1 + entry["staleness"]) if entry["staleness"] else None
+        assert close.momentum == expected, (version, entry["staleness"], close.momentum)
     assert {e["worker_id"] for e in applied if e["num_samples"] > 0} == {"t-a", "t-b"}
     print(f"ssp staleness counts {Counter(staleness)}, {len(run.rejections)} rejections")
     # A rejected contribution is never applied; its batches were recomputed and applied once.
@@ -164,7 +167,8 @@ async def test_bounded_staleness_applies_nothing_staler_than_the_bound(plane: Pl
     assert not rejected & {e["contribution_id"] for e in applied}
     assert_exactly_once(plane.objects, run.job_id, run.spec)
     assert run.summary["epochs"] == 1
-    # Each stale gradient was applied as computed: on the parameters of its base version.
+    # Each stale gradient was applied as computed: on the parameters of its base version,
+    # with the close's momentum (the replay sets it as the shards do).
     assert_replays(run, OPTIMIZERS["sgd"][1])
 
 

@@ -17,14 +17,14 @@ JOB = "job1"
 T0 = 1_000.0
 
 
-def spec(**distribution: Any) -> JobSpec:
+def spec(optimizer: dict[str, Any] | None = None, **distribution: Any) -> JobSpec:
     return JobSpec.from_dict({
         "name": "c",
         "model": {"name": "small_cnn"},
         "dataset": {"uri": "builtin://sklearn-digits"},
         "training": {
             "epochs": 2, "global_batch_size": 4, "micro_batch_size": 1,
-            "optimizer": {"name": "sgd", "lr": 0.5},
+            "optimizer": optimizer or {"name": "sgd", "lr": 0.5},
             "lr_schedule": {"name": "step", "step_size": 2, "gamma": 0.5},
         },
         "distribution": {"trainers": 2, **distribution},
@@ -212,6 +212,45 @@ def test_ssp_applies_within_the_bound_and_rejects_beyond() -> None:
     assert rejected and min(rejected) == s + 1
     assert c.version == len(applied) and c.rejected == len(rejected)
     assert len(applied) + len(rejected) == 60
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "compression", "expected"),
+    [
+        ({"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"kind": "none"}, [None, 0.45, 0.3]),
+        ({"name": "sgd", "lr": 0.1}, {"kind": "none"}, [None, None, None]),
+        ({"name": "adam", "lr": 0.01}, {"kind": "none"}, [None, None, None]),
+        # momentum correction: the trainers keep the momentum, the aggregator has none
+        ({"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"kind": "topk", "ratio": 0.1},
+         [None, None, None]),
+    ],
+)  # fmt: skip
+def test_ssp_damps_sgd_momentum_by_the_staleness(
+    optimizer: dict[str, Any], compression: dict[str, Any], expected: list[float | None]
+) -> None:
+    c = coordinator(train=20, mode="ssp", staleness=2, optimizer=optimizer,
+                    compression=compression)  # fmt: skip
+    c.fold(beat("a", T0))
+    c.fold(beat("b", T0))
+    c.fold(beat("c", T0))
+    momenta = []
+    for index, worker in enumerate(["a", "b", "c"]):  # all on version 0: staleness 0, 1, 2
+        c.fold(contrib(worker, 0, [batch(0, index)]))
+        decisions = c.decide(T0)
+        assert decisions.close is not None and not decisions.rejections
+        assert decisions.close.contributions[0]["staleness"] == index
+        momenta.append(decisions.close.momentum)
+        echo(c, decisions)
+    assert momenta == pytest.approx(expected)
+
+
+def test_sync_keeps_the_job_momentum() -> None:
+    c = coordinator(optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9})
+    for worker in ["a", "b"]:
+        c.fold(beat(worker, T0))
+        c.fold(contrib(worker, 0, [batch(0, ord(worker))]))
+    decisions = c.decide(T0)
+    assert decisions.close is not None and decisions.close.momentum is None
 
 
 def test_membership_reads_throughput_and_data_wait() -> None:

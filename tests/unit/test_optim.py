@@ -10,7 +10,7 @@ import torch
 
 from conveyor.libs.jobspec import LrScheduleSpec, OptimizerSpec
 from conveyor.libs.models import build_model
-from conveyor.libs.optim import SliceOptimizer, build_optimizer, lr_at
+from conveyor.libs.optim import SliceOptimizer, build_optimizer, lr_at, staleness_momentum
 from conveyor.libs.slicing import ParamLayout
 
 
@@ -52,6 +52,23 @@ def test_slices_equal_full_model_optimizer(optimizer: dict[str, Any]) -> None:
     got = torch.cat([s.values for s in slices])
     assert not torch.equal(expected, flat)  # the steps did something
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_staleness_momentum_and_a_step_at_a_given_momentum() -> None:
+    assert staleness_momentum(0.9, 0) == 0.9
+    assert staleness_momentum(0.9, 1) == pytest.approx(0.45)
+    assert staleness_momentum(0.9, 2) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="staleness"):
+        staleness_momentum(0.9, -1)
+    sliced = SliceOptimizer(OptimizerSpec(name="sgd", lr=0.1, momentum=0.9), torch.zeros(2))
+    g1, g2 = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
+    sliced.step(g1, 0.1)  # buffer = g1
+    sliced.step(g2, 0.1, momentum=0.45)  # buffer = 0.45 * g1 + g2
+    expected = -0.1 * g1 - 0.1 * (0.45 * g1 + g2)
+    torch.testing.assert_close(sliced.values, expected)
+    sliced.step(g2, 0.1, momentum=0.9)  # buffer = 0.9 * (0.45 * g1 + g2) + g2
+    expected -= 0.1 * (0.9 * (0.45 * g1 + g2) + g2)
+    torch.testing.assert_close(sliced.values, expected)
 
 
 def test_slice_optimizer_rejects_wrong_gradient() -> None:

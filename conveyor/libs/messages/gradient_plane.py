@@ -76,7 +76,7 @@ class Contribution(Message):
     """Unix seconds."""
 
 
-@message("StepClose", version=1)
+@message("StepClose", version=2)
 @dataclass(kw_only=True, slots=True)
 class StepClose(Message):
     """The coordinator's decision, on ``Topics.control(job_id)``: version ``version`` is the
@@ -102,6 +102,10 @@ class StepClose(Message):
     """Micro-batches each live trainer should contribute to the next step (sync mode)."""
     closed_at: float
     """Unix seconds."""
+    momentum: float | None = None
+    """SGD momentum of this step; None: the job's. Bounded staleness damps it by the
+    staleness of the step's gradient (:func:`conveyor.libs.optim.staleness_momentum`).
+    Added in version 2."""
 
 
 @message("Rejection", version=1)

@@ -24,6 +24,9 @@ step in proportion to its measured throughput and publishes a ``routing`` of the
 topic's partitions (:meth:`Coordinator.routing`) so that each trainer also *receives* that
 share of the batches; equal splits each step equally and routes nothing.
 
+SGD momentum under bounded staleness: a close whose gradient is ``d > 0`` versions old carries
+``momentum / (1 + d)`` (:func:`conveyor.libs.optim.staleness_momentum`); the shards apply it.
+
 The learning-rate schedule's step: sync counts non-empty steps; ssp counts applied train
 batches / micro_batches_per_step (an ssp step holds one trainer's share). ``max_steps`` caps
 the version (what every trainer sees in the StepCloses, so all stop at the same point).
@@ -45,7 +48,7 @@ from conveyor.libs.messages import (
     Rejection,
     StepClose,
 )
-from conveyor.libs.optim import lr_at
+from conveyor.libs.optim import aggregator_optimizer, lr_at, staleness_momentum
 from conveyor.libs.plan import parse_batch_id
 from conveyor.libs.routing import partition_weights
 from conveyor.services.aggregator.epochs import EpochBook
@@ -328,6 +331,7 @@ class Coordinator:
 
     def _close(self, included: list[Contribution], now: float) -> StepClose:
         batch_ids = [b for c in included for b in c.batch_ids]
+        staleness = max((self.version - c.base_version for c in included), default=0)
         epochs = [parse_batch_id(b).epoch for b in batch_ids]
         return StepClose(
             job_id=self.config.job_id,
@@ -339,7 +343,15 @@ class Coordinator:
             lr=self._lr(),
             allocation=self.allocation(now),
             closed_at=now,
+            momentum=self._momentum(staleness),
         )
+
+    def _momentum(self, staleness: int) -> float | None:
+        """The step's SGD momentum when the aggregator runs one and the gradient is stale."""
+        optimizer = aggregator_optimizer(self.config.spec)
+        if optimizer.name != "sgd" or optimizer.momentum == 0 or staleness == 0:
+            return None
+        return staleness_momentum(optimizer.momentum, staleness)
 
     def _lr(self) -> float:
         training = self.config.spec.training

@@ -7,8 +7,8 @@ in version order, each once the slices of all its non-empty contributions are he
 (an empty contribution, ``num_samples == 0``, sends no GradSlice).
 
 The step: ``grad = sum(decoded slices of the step's contributions) / StepClose.num_samples``,
-then one optimizer step at ``StepClose.lr``; a step without samples changes nothing but still
-makes the new version.
+then one optimizer step at ``StepClose.lr`` (and ``StepClose.momentum`` when set); a step
+without samples changes nothing but still makes the new version.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class SliceShard(Generic[R]):
             total = torch.zeros(self.numel, dtype=torch.float32)  # [numel]
             for grad in grads:
                 total += _dense(grad)
-            self._optimizer.step(total / close.num_samples, close.lr)
+            self._optimizer.step(total / close.num_samples, close.lr, close.momentum)
         self.version = close.version
 
     def drop_dead(self, staleness_bound: int) -> list[R]:
