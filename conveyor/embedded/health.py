@@ -74,13 +74,24 @@ def broker_probe(bootstrap: str, timeout_s: float = 5.0) -> Probe:
     return Probe(healthy=True, detail=f"{count} topics")
 
 
-def http_probe(url: str, timeout_s: float = 2.0) -> Probe:
-    """GET ``url``; healthy on HTTP 200."""
+def http_probe(url: str, timeout_s: float = 2.0, *, pid: int | None = None) -> Probe:
+    """GET ``url``; healthy on HTTP 200 and, when ``pid`` is given, only if the answer names
+    that process (``{"pid": ...}`` of a service's /healthz): another process on the same port
+    is not the service asked about."""
     try:
         response = httpx.get(url, timeout=timeout_s)
     except httpx.HTTPError as exc:
         return Probe(healthy=False, detail=f"{type(exc).__name__}: {exc}")
-    return Probe(healthy=response.status_code == 200, detail=f"HTTP {response.status_code}")
+    if response.status_code != 200:
+        return Probe(healthy=False, detail=f"HTTP {response.status_code}")
+    if pid is not None:
+        try:
+            answered = response.json().get("pid")
+        except (ValueError, AttributeError):
+            answered = None
+        if answered != pid:
+            return Probe(healthy=False, detail=f"answered by pid {answered}, not {pid}")
+    return Probe(healthy=True, detail="HTTP 200")
 
 
 def log_tail(path: str | Path, lines: int = 20) -> str:
@@ -104,7 +115,7 @@ def wait_until_healthy(
     deadline: float,
     poll_s: float = 0.1,
 ) -> None:
-    """Poll ``url`` until it answers 200.
+    """Poll ``url`` until ``process`` answers 200 there (checked by pid).
 
     Raises :class:`HealthError` naming the service, its log file and the log's last lines when
     the process exits first or ``deadline`` (``time.monotonic()`` value) passes.
@@ -115,7 +126,7 @@ def wait_until_healthy(
         if code is not None:
             problem = f"service {name!r} exited with code {code} before becoming healthy"
             break
-        last = http_probe(url, timeout_s=1.0)
+        last = http_probe(url, timeout_s=1.0, pid=process.pid)
         if last.healthy:
             return
         if time.monotonic() >= deadline:

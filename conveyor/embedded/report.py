@@ -72,7 +72,7 @@ def probe_stack(state: StackState) -> StackReport:
     for service in state.services:
         alive = is_alive(service.process)
         probe = (
-            http_probe(service.health_url)
+            http_probe(service.health_url, pid=service.process.pid)
             if alive
             else Probe(healthy=False, detail="process is gone")
         )

@@ -141,6 +141,17 @@ def _start_broker(
     return bootstrap, ProcessInfo.of(broker.pid, log_path)
 
 
+def _distinct_free_ports(host: str, count: int) -> list[int]:
+    """``count`` different ports that were free a moment ago. The OS may hand the same free port
+    out twice while no one has bound it yet (two services were once given one port)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def _start_fresh(
     config: StackConfig,
     services: Mapping[str, registry.ServiceSpec],
@@ -172,9 +183,9 @@ def _start_fresh(
             for name, spec in services.items()
             for instance in registry.instance_names(name, config.scale.get(name, 1))
         ]
-        for instance, name, spec in instances:
+        ports = _distinct_free_ports(config.host, len(instances))
+        for (instance, name, spec), port in zip(instances, ports, strict=True):
             notify(f"Starting service {instance}")
-            port = free_port(config.host)
             log_path = logs / f"{instance}.log"
             process = _spawn(argv_for(name), _service_env(config, bootstrap, port), log_path)
             info = ServiceInfo(

@@ -18,6 +18,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Generator
@@ -125,8 +126,9 @@ class Service(abc.ABC):
         app = FastAPI(title=f"conveyor {self.name}")
 
         @app.get("/healthz", include_in_schema=False)
-        async def healthz() -> dict[str, str]:
-            return {"status": "alive", "service": self.name}
+        async def healthz() -> dict[str, str | int]:
+            # The pid lets a supervisor tell its own child from another process on the port.
+            return {"status": "alive", "service": self.name, "pid": os.getpid()}
 
         @app.get("/readyz", include_in_schema=False)
         async def readyz() -> JSONResponse:

@@ -21,7 +21,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from conveyor.embedded.health import HealthError
+from conveyor.embedded import stack as stack_module
+from conveyor.embedded.health import HealthError, wait_until_healthy
 from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.registry import ServiceSpec
 from conveyor.embedded.report import probe_stack
@@ -240,7 +241,8 @@ FAKE_SERVICE = textwrap.dedent(
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = json.dumps({k: v for k, v in os.environ.items() if k.startswith("CONVEYOR_")})
+            seen = {k: v for k, v in os.environ.items() if k.startswith("CONVEYOR_")}
+            body = json.dumps({**seen, "pid": os.getpid()})
             self.send_response(200 if self.path == "/healthz" else 404)
             self.end_headers()
             self.wfile.write(body.encode())
@@ -350,6 +352,31 @@ def test_scaled_service_runs_one_process_port_and_log_per_replica(tmp_path: Path
         stopped = stop_stack(config.state_dir, timeout_s=5.0)
     assert stopped is not None
     assert sorted(stopped.result.terminated) == sorted(p.pid for p in state.processes())
+
+
+def test_a_port_answered_by_another_process_is_not_that_service(tmp_path: Path) -> None:
+    """Two services were once given the same port: the second one could not bind it, and the
+    first one's /healthz made the second look healthy (its job then hung without it)."""
+    config, kwargs = _stack(tmp_path, {"sharder": "ok"})
+    state = start_stack(config, **kwargs).state
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (sharder,) = state.services
+        with pytest.raises(
+            HealthError, match=f"answered by pid {sharder.process.pid}, not {other.pid}"
+        ):
+            wait_until_healthy("impostor", sharder.health_url, other, log_path=str(tmp_path / "x"),
+                               deadline=time.monotonic() + 1.0)  # fmt: skip
+    finally:
+        other.kill()
+        other.wait()
+        stop_stack(config.state_dir, timeout_s=5.0)
+
+
+def test_ports_handed_out_are_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
+    offered = iter([40001, 40001, 40002, 40001, 40003])
+    monkeypatch.setattr(stack_module, "free_port", lambda host: next(offered))
+    assert stack_module._distinct_free_ports("127.0.0.1", 3) == [40001, 40002, 40003]
 
 
 def test_scaling_an_unregistered_service_starts_nothing(tmp_path: Path) -> None:
