@@ -3,25 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-SIMULATION = Path(__file__).resolve().parents[2] / "loadtests" / "ssp_momentum.py"
+from loadtest_modules import load_loadtest
 
 
 @pytest.fixture(scope="module")
 def simulation() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ssp_momentum", SIMULATION)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ssp_momentum"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_loadtest("ssp_momentum")
 
 
 def test_damped_momentum_learns_where_undamped_stays_at_chance(simulation: ModuleType) -> None:
