@@ -97,13 +97,14 @@ class SliceOptimizer:
     Not thread-safe; one owner applies steps in version order.
     """
 
-    __slots__ = ("optimizer", "param")
+    __slots__ = ("job_momentum", "optimizer", "param")
 
     def __init__(self, spec: OptimizerSpec, values: torch.Tensor) -> None:
         if values.dim() != 1:
             raise ValueError(f"a slice is a 1-d vector, got shape {list(values.shape)}")
         self.param = nn.Parameter(values.detach().to(torch.float32).clone())
         self.optimizer = build_optimizer(spec, [self.param])
+        self.job_momentum = spec.momentum
 
     @property
     def numel(self) -> int:
@@ -122,9 +123,9 @@ class SliceOptimizer:
             raise ValueError(f"gradient shape {list(grad.shape)} != slice {list(self.param.shape)}")
         self.param.grad = grad.to(dtype=torch.float32, device=self.param.device)
         set_lr(self.optimizer, lr)
-        if momentum is not None:
+        if "momentum" in self.optimizer.defaults:  # SGD; the job's unless this step says
             for group in self.optimizer.param_groups:
-                group["momentum"] = momentum
+                group["momentum"] = self.job_momentum if momentum is None else momentum
         self.optimizer.step()
         self.param.grad = None
 

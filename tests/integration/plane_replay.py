@@ -94,8 +94,11 @@ def replay(
                 offset += param.numel()
             for group in optimizer.param_groups:
                 group["lr"] = close.lr
-                if close.momentum is not None:
-                    group["momentum"] = close.momentum
+                if "momentum" in group:  # SGD: the close's, else the job's (set at build)
+                    group.setdefault("job_momentum", group["momentum"])
+                    group["momentum"] = (
+                        group["job_momentum"] if close.momentum is None else close.momentum
+                    )
             optimizer.step()
         versions.append(replica.flat())
     return versions
