@@ -287,6 +287,24 @@ class ConveyorStack:
         )
         for index in range(missing):
             self.start_service(f"preprocessor-x{index + 2}", "preprocessor")
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every service of ``conveyor up`` answers /readyz with 200. ``conveyor up``
+        waits for liveness only; a service's start-up work after that (the aggregator imports
+        torch's optimizer machinery, seconds of CPU) is then not counted as the job's."""
+        deadline = time.monotonic() + timeout_s
+        for service in self.state.get("services", []):
+            url = f"http://{service['host']}:{service['port']}/readyz"
+            while True:
+                try:
+                    if httpx.get(url, timeout=2.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{service['name']} not ready in {timeout_s:.0f} s")
+                time.sleep(0.2)
 
     def start_service(self, name: str, service: str, env: dict[str, str] | None = None) -> None:
         """Start one more ``python -m conveyor service SERVICE`` process named ``name``, with

@@ -1,6 +1,7 @@
 """Fixtures shared by several integration test files of this folder: a read failure injected
 into the object stores' uploads (the storage behaviour suite and the S3 specifics use it). The
-stack-wide fixtures, Kafka and the S3 endpoint, are in tests/conftest.py."""
+stack-wide fixtures, Kafka and the S3 endpoint, are in tests/conftest.py. Also: a count of the
+Fetch requests sent (the bus tests of readers that pause or rest)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,23 @@ def fail_reads_after(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
         monkeypatch.setattr(HashingReader, "read", read)
 
     return arm
+
+
+@pytest.fixture
+def fetch_requests(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """Counts the Fetch requests every aiokafka client of this process sends from now on:
+    call the returned function for the count so far."""
+    from aiokafka.client import AIOKafkaClient
+    from aiokafka.protocol.fetch import FetchRequest
+
+    sent = 0
+    original = AIOKafkaClient.send
+
+    async def send(self: AIOKafkaClient, node_id: int, request: object, **kwargs: object) -> object:
+        nonlocal sent
+        if isinstance(request, FetchRequest):
+            sent += 1
+        return await original(self, node_id, request, **kwargs)
+
+    monkeypatch.setattr(AIOKafkaClient, "send", send)
+    return lambda: sent

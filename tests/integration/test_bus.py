@@ -8,7 +8,7 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -378,6 +378,38 @@ async def test_backpressure_pauses_at_max_in_flight(settings: KafkaSettings) -> 
         assert [r.offset for r in rest] == [3, 4]
         consumer.ack(rest[0])
         assert consumer.in_flight == 1
+
+
+async def test_resting_sends_no_fetches_and_loses_nothing(
+    settings: KafkaSettings, fetch_requests: Callable[[], int]
+) -> None:
+    settings = settings.model_copy(update={"fetch_max_wait_ms": 20})
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic))
+    await publish_all(settings, topic, (event(i) for i in range(2)))
+    async with Consumer(settings, [topic], group_id=group(settings), max_in_flight=2) as consumer:
+        first = [await asyncio.wait_for(consumer.get(), 15) for _ in range(2)]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(consumer.get(), 0.3)
+        assert consumer.paused  # backpressure: 2 unacked
+
+        consumer.rest(True)
+        for received in first:
+            consumer.ack(received)  # frees the slots; resting still holds the fetches
+        assert not consumer.paused and consumer.resting
+        await publish_all(settings, topic, (event(i) for i in range(2, 5)))
+        await asyncio.sleep(0.1)  # a fetch sent before the rest comes back
+        resting = fetch_requests()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(consumer.get(), 1.0)
+        assert fetch_requests() - resting <= 1
+
+        consumer.rest(False)
+        later = [await asyncio.wait_for(consumer.get(), 5) for _ in range(2)]
+        assert [r.offset for r in later] == [2, 3]
+        consumer.ack(later[0])
+        last = await asyncio.wait_for(consumer.get(), 5)
+        assert last.offset == 4 and last.message == event(4)
 
 
 async def test_records_over_max_message_bytes_are_refused(settings: KafkaSettings) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -70,3 +71,31 @@ async def test_a_missing_topic_is_an_error(kafka_settings: KafkaSettings) -> Non
     with pytest.raises(BusError, match="no partitions"):
         async with TopicTail(kafka_settings, f"{kafka_settings.topic_prefix}missing"):
             pass
+
+
+async def test_a_paused_tail_sends_no_fetches_and_catches_up_on_resume(
+    kafka_settings: KafkaSettings, fetch_requests: Callable[[], int]
+) -> None:
+    settings = kafka_settings.model_copy(update={"fetch_max_wait_ms": 20})
+    topic = f"{settings.topic_prefix}paused"
+    await ensure_topics(settings, [TopicSpec(topic, partitions=1)])
+    async with Producer(settings) as producer, TopicTail(settings, topic) as tail:
+        await producer.publish(topic, beat("a", 0))
+        assert [r.offset for r in await drain(tail, 1)] == [0]
+
+        following = fetch_requests()
+        assert await tail.get_many(0.5) == []
+        assert fetch_requests() - following >= 5  # an empty fetch every 20 ms or so
+
+        tail.pause()
+        await asyncio.sleep(0.1)  # a fetch sent before the pause comes back
+        paused = fetch_requests()
+        for n in (1, 2):
+            await producer.publish(topic, beat("a", n))
+        assert await tail.get_many(1.0) == []
+        assert fetch_requests() - paused <= 1
+
+        tail.resume()
+        records = await drain(tail, 2, timeout_s=5.0)
+        assert [r.offset for r in records] == [1, 2]
+        assert [r.message.info["n"] for r in records] == [1, 2]  # type: ignore[attr-defined]

@@ -53,6 +53,9 @@ class Consumer:
       only one task may call it at a time. :meth:`ack` marks a record done.
     * Backpressure: once ``max_in_flight`` delivered records are unacknowledged, :meth:`get`
       waits and every assigned partition is paused; they resume when an ack frees a slot.
+    * :meth:`rest`: a caller that knows no record it needs can be there yet stops the fetches
+      (each empty one at a short fetch wait costs CPU here and in the broker) until it asks
+      again; a new assignment fetches again by itself.
     * Commits (the contiguous acked prefix per partition) happen every ``commit_interval_s``
       inside :meth:`get`, on :meth:`commit`, when partitions are revoked and on :meth:`stop`.
     * On revocation the revoked partitions' in-flight state is dropped: acks of records
@@ -105,6 +108,7 @@ class Consumer:
         self._in_flight = InFlight(max_in_flight)
         self._holes = HoleGuard()
         self._paused = False
+        self._resting = False
         self._capacity = asyncio.Event()
         self._get_lock = asyncio.Lock()
         self._next_commit_at = 0.0
@@ -193,6 +197,24 @@ class Consumer:
     def paused(self) -> bool:
         """True while fetching is paused for backpressure."""
         return self._paused
+
+    @property
+    def resting(self) -> bool:
+        """True while fetching is stopped by :meth:`rest`."""
+        return self._resting
+
+    def rest(self, resting: bool) -> None:
+        """Stop fetching (``True``) until ``rest(False)`` or the next assignment, or fetch again.
+
+        For a caller that knows when the records it needs can appear (they are announced
+        elsewhere): nothing is lost, records already fetched are still delivered, and what a
+        pending fetch brings back meanwhile is fetched again afterwards. Independent of the
+        backpressure pause: fetching runs only when neither holds it.
+        """
+        if resting == self._resting:
+            return
+        self._resting = resting
+        self._apply_pause()
 
     def assignment(self) -> frozenset[TopicPartition]:
         """Partitions currently assigned to this member (empty before the first join)."""
@@ -422,14 +444,21 @@ class Consumer:
         return min(self._settings.max_poll_interval_s / 3, 30.0)
 
     def _pause(self) -> None:
-        if self._consumer is not None:
-            self._consumer.pause(*self._consumer.assignment())
         self._paused = True
+        self._apply_pause()
 
     def _resume(self) -> None:
-        if self._consumer is not None:
-            self._consumer.resume(*self._consumer.assignment())
         self._paused = False
+        self._apply_pause()
+
+    def _apply_pause(self) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return
+        if self._paused or self._resting:
+            consumer.pause(*consumer.assignment())
+        else:
+            consumer.resume(*consumer.assignment())
 
     async def _periodic_commit(self, consumer: AIOKafkaConsumer) -> None:
         self._next_commit_at = time.monotonic() + self._commit_interval_s
@@ -474,6 +503,8 @@ class Consumer:
         for tp in assigned:
             self._holes.forget(tp)
         # A new assignment starts unpaused; keep the bound if handlers still hold records.
+        # Resting ends: what the new partitions hold is not announced to the caller.
+        self._resting = False
         if self._in_flight.full:
             self._pause()
         else:

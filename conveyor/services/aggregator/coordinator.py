@@ -189,6 +189,10 @@ class Coordinator:
 
     # -- derived state ---------------------------------------------------------------------
 
+    def undecided(self) -> list[Contribution]:
+        """Folded contributions neither applied nor rejected yet, in arrival order."""
+        return list(self._pending.values())
+
     def applied_version(self, contribution_id: str) -> int | None:
         """The version whose StepClose applied ``contribution_id`` (None: not applied)."""
         return self._applied_in.get(contribution_id)

@@ -4,6 +4,7 @@ Three tasks share the job's state::
 
     control: tail the control topic from the beginning -> Coordinator.fold (every process)
     grads:   group member on the grads topic -> GradSlices into the shard of their partition
+             (resting while the control log announces no slice it lacks: see .demand)
     engine:  on every arrival or tick_s:
                follow the assignment: open a shard per new partition (from the last
                  ParamSlice of that partition, or version 0 published by us), drop lost ones
@@ -45,6 +46,7 @@ from conveyor.libs.optim import aggregator_optimizer
 from conveyor.libs.storage import ObjectStore
 from conveyor.services.aggregator.config import AggregatorSettings, group_id
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
+from conveyor.services.aggregator.demand import grads_wanted
 from conveyor.services.aggregator.job import JobContext, JobFailed
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
@@ -214,7 +216,12 @@ class JobAggregator:
             if self._may_lead(control):
                 self._engine_doing = "coordinating"
                 await self.leader.act()
+            grads.rest(not self._grads_wanted(grads))
             self.metrics.held_slices.set(sum(s.buffered for s in self.shards.values()))
+
+    def _grads_wanted(self, grads: Consumer) -> bool:
+        owned = {tp.partition for tp in grads.assignment() if tp.topic == self._grads_topic}
+        return grads_wanted(self.coordinator, self.shards, owned=owned, opening=bool(self._early))
 
     async def _watch(self, control: TopicTail, grads: Consumer) -> None:
         while True:
@@ -241,10 +248,12 @@ class JobAggregator:
             logger.warning(
                 "job %s: slice %d at version %d for %.0f s; next StepClose folded: %s, "
                 "slices missing: %s; grads partition %d: fetch position %s, high-water %s, "
-                "%d records unacked, paused %s; control position %s, high-water %s; engine: %s",
+                "%d records unacked, paused %s, resting %s; control position %s, high-water %s; "
+                "engine: %s",
                 self.ctx.job_id, index, version, now - since, close is not None,
                 shard.missing(close) if close is not None else "-", index, position, highwater,
-                grads.in_flight, grads.paused, control_at, control_end, self._engine_doing,
+                grads.in_flight, grads.paused, grads.resting, control_at, control_end,
+                self._engine_doing,
             )  # fmt: skip
 
     def _may_lead(self, control: TopicTail) -> bool:

@@ -79,6 +79,10 @@ class SliceShard(Generic[R]):
         else:
             held.records.append(record)  # a duplicate record: acknowledged with the first
 
+    def holds(self, contribution_id: str) -> bool:
+        """Whether the slice of ``contribution_id`` is held."""
+        return contribution_id in self._buffer
+
     def missing(self, close: StepClose) -> list[str]:
         """Ids of the non-empty contributions of ``close`` whose slice is not held yet."""
         return [

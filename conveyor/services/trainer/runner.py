@@ -43,6 +43,7 @@ from conveyor.services.trainer.control import Applied, ControlState, Outcome
 from conveyor.services.trainer.figures import Figures
 from conveyor.services.trainer.gradients import EncodedGrad
 from conveyor.services.trainer.input import TRACER_NAME, DeviceCopier, Prefetcher, ReadyBatch
+from conveyor.services.trainer.listening import PlaneListener
 from conveyor.services.trainer.metrics import TrainerMetrics
 from conveyor.services.trainer.params import ParamAssembler
 from conveyor.services.trainer.reporting import Reporter
@@ -111,6 +112,7 @@ class JobRunner:
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._consumer: Consumer | None = None
         self._prefetch: Prefetcher | None = None
+        self.listener = PlaneListener(self.signal, enabled=spec.distribution.mode == "sync")
         self._waited_once = False
         self._assigned: frozenset[tuple[str, int]] = frozenset()
         self._tracer = trace.get_tracer(TRACER_NAME)
@@ -167,6 +169,7 @@ class JobRunner:
             reject=self._reject,
             executor=self._copy_executor,
         )
+        self.listener.attach(control, params)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
@@ -264,7 +267,7 @@ class JobRunner:
         first = True
         while not self._training_over():
             started = time.perf_counter()
-            await self.signal.wait_for(lambda: self._may_start() or self._training_over())
+            await self.listener.wait_for(lambda: self._may_start() or self._training_over())
             if self._training_over():
                 break
             await self._load_newest()
@@ -272,7 +275,8 @@ class JobRunner:
             param_wait_s = 0.0 if first else time.perf_counter() - started
             first = False
             self.meter.add(sync_s=param_wait_s)
-            await self._step(param_wait_s)
+            with self.listener.quiet():
+                await self._step(param_wait_s)
         logger.info(
             "job %s: training over at version %d; evaluating until the job ends",
             self.session.job_id, self.control.version,
@@ -297,9 +301,9 @@ class JobRunner:
         are known); sync mode: the latest closed version exactly."""
         control, params = self.control, self.params
         if self.outstanding.mode == "sync":
-            await self.signal.wait_for(lambda: params.version == control.version)
+            await self.listener.wait_for(lambda: params.version == control.version)
         else:
-            await self.signal.wait_for(
+            await self.listener.wait_for(
                 lambda: params.version is not None and params.version <= control.version
             )
         version, flat = params.version, params.flat
@@ -453,7 +457,9 @@ class JobRunner:
 
     async def _params_reached(self, version: int) -> None:
         params = self.params
-        await self.signal.wait_for(lambda: params.version is not None and params.version >= version)
+        await self.listener.wait_for(
+            lambda: params.version is not None and params.version >= version
+        )
 
     async def _build_snapshot(self, flat: torch.Tensor) -> nn.Module:
         return await self._compute(self.session.engine.snapshot, flat)
