@@ -3,9 +3,16 @@
 Same model, preprocessing, optimizer, batch sizes, torch threads (--threads, default 1: with
 other processes on a small machine, intra-op threads only contend) and machine. Scenarios:
     synthetic  synthetic://?n=N&shape=3x32x32 with augment [random_crop, hflip, cpu_cost{ms}]
-               and small_cnn (a CPU-heavy augmentation, like examples/synthetic.yaml);
+               and small_cnn (a CPU-heavy augmentation, like examples/synthetic.yaml; on 2
+               cores one preprocessing process at 1 ms a sample is about as fast as the trainer);
+    light      the same job with cpu_cost --light-cost-ms (0.25 ms): preprocessing has room to
+               spare and the trainer's steps are the bottleneck, so every millisecond a sync
+               step spends on the gradient plane (through the broker and the aggregator) shows;
     digits     examples/digits.yaml (its epochs raised by --digits-epochs so that the
                measured window lasts seconds, not a fraction of one).
+The synthetic jobs have 8192 samples by default (--n): the sharder releases up to
+max_lead_batches (64 micro-batches, 4096 samples) before the trainer starts, and a job not much
+longer than that lead would measure the start-up backlog draining, not the pipeline.
 Each repeat runs both systems, in alternating order:
     conveyor    a fresh ``conveyor up`` stack (broker + gateway, sharder, --preprocessors
                 preprocessor(s), trainer processes), the job submitted through the gateway;
@@ -32,7 +39,7 @@ far less than wall-clock rates do.
 The last line printed is one JSON object,
 {"pipeline_vs_dataloader": r, "data_wait_ratio": w, "baseline_data_wait_ratio": b,
  "cpu_per_sample_vs_dataloader": c, "digits_...": ...},
-for the first scenario (synthetic by default), with digits_* keys for the digits scenario.
+for the first scenario (synthetic by default), with light_* and digits_* keys for the others.
 
     .venv/bin/python loadtests/bench_pipeline.py            # 3 repeats, both scenarios
     .venv/bin/python loadtests/bench_pipeline.py --quick    # 1 repeat, smaller jobs
@@ -719,12 +726,17 @@ def footer(args: argparse.Namespace, use_scale: bool, load: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-config", help=argparse.SUPPRESS)
-    parser.add_argument("--scenarios", default="synthetic,digits", help="synthetic,digits")
+    parser.add_argument(
+        "--scenarios", default="synthetic,light,digits", help="any of synthetic,light,digits"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 repeat, a smaller job")
-    parser.add_argument("--n", type=int, default=2048, help="synthetic samples")
+    parser.add_argument("--n", type=int, default=8192, help="synthetic samples")
     parser.add_argument("--epochs", type=int, default=2, help="synthetic epochs")
     parser.add_argument("--cost-ms", type=float, default=1.0, help="cpu_cost per sample (ms)")
+    parser.add_argument(
+        "--light-cost-ms", type=float, default=0.25, help="cpu_cost per sample of `light` (ms)"
+    )
     parser.add_argument("--digits-epochs", type=int, default=12)
     cores = os.cpu_count() or 1
     parser.add_argument(
@@ -746,24 +758,25 @@ def main() -> None:
         print(json.dumps(baseline_main(json.loads(args.baseline_config))))
         return
     if args.quick:
-        args.repeats, args.n, args.digits_epochs = 1, 1024, 4
+        args.repeats, args.n, args.digits_epochs = 1, 2048, 4
     if args.preprocessors is None:
         args.preprocessors = args.workers
     names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
-    if not names or not set(names) <= {"synthetic", "digits"}:
-        parser.error("--scenarios takes synthetic and/or digits")
+    if not names or not set(names) <= {"synthetic", "light", "digits"}:
+        parser.error("--scenarios takes any of synthetic, light, digits")
     if min(args.repeats, args.n, args.epochs, args.digits_epochs, args.threads) < 1:
         parser.error("counts must be >= 1")
 
     use_scale = scale_supported()
     scenarios = []
     for name in names:
-        if name == "synthetic":
+        if name in ("synthetic", "light"):
+            cost_ms = args.cost_ms if name == "synthetic" else args.light_cost_ms
             spec = synthetic_spec(
-                n=args.n, epochs=args.epochs, cost_ms=args.cost_ms, threads=args.threads
+                n=args.n, epochs=args.epochs, cost_ms=cost_ms, threads=args.threads
             )
             description = (
-                f"synthetic n={args.n} 3x32x32, random_crop+hflip+cpu_cost {args.cost_ms:g} ms, "
+                f"synthetic n={args.n} 3x32x32, random_crop+hflip+cpu_cost {cost_ms:g} ms, "
                 f"small_cnn, {args.epochs} epochs"
             )
         else:
