@@ -171,8 +171,11 @@ async def submit(kafka: KafkaSettings, topics: Topics, job_id: str, spec: dict[s
 
 
 async def follow(kafka: KafkaSettings, topic: str, into: list[Any]) -> None:
-    """Append every message of ``topic`` to ``into`` until cancelled."""
-    async with TopicTail(kafka, topic) as tail:
+    """Append every message of ``topic`` to ``into`` until cancelled. Reads at the gradient
+    plane's short fetch wait: a job's topics are deleted when it ends, tens of milliseconds
+    after its last records, and a reader at the 200 ms default wait could still be a fetch
+    behind then."""
+    async with TopicTail(kafka.for_gradient_plane(), topic) as tail:
         while True:
             into += [r.message for r in await tail.get_many(0.5)]
 

@@ -426,3 +426,30 @@ def test_duplicate_close_versions_first_wins() -> None:
     c.fold(Rejection(job_id=JOB, contribution_id=applied_id, worker_id="a", current_version=1,
                      reason="late"))  # fmt: skip
     assert c.rejected == 0
+
+
+def test_a_close_folded_as_published_is_not_folded_again_when_read_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(contrib("a", 0, [batch(0, 0), batch(0, 1)]))
+    decisions = c.decide(T0)
+    assert decisions.close is not None
+    c.fold(decisions.close)  # the leader folds its own close (nothing unread before it)
+    c.fold(contrib("a", 1, [batch(0, 2)]))  # later on the log, read before the close comes back
+    with caplog.at_level("WARNING"):
+        c.fold(decodes_to_equal(decisions.close))  # the same close, read back from the log
+    assert caplog.records == []
+    assert c.version == 1 and c.steps == 1 and c.samples_trained == 2
+    assert c.applied_train_batches == 2 and len(c.undecided()) == 1
+    assert c.decide(T0).close is not None  # the second contribution closes version 2
+
+
+def decodes_to_equal(close: StepClose) -> StepClose:
+    """``close`` as a reader gets it from the log: encoded and decoded (a new, equal object)."""
+    from conveyor.libs.codec import decode, encode
+
+    copy = decode(encode(close))
+    assert isinstance(copy, StepClose) and copy is not close and copy == close
+    return copy

@@ -327,3 +327,14 @@ async def test_a_version_is_found_in_the_params_history(
         found = await _scan(tail, 0, wanted, len(versions), 1.0)  # type: ignore[arg-type]
     assert found is not None and found.version == wanted and found.values.tolist() == [offset]
     assert await _scan(tail, 0, 99, len(versions), 1.0) is None  # type: ignore[arg-type]
+
+
+def test_train_left_counts_the_epochs_batches_not_applied_yet() -> None:
+    s = state(train_batches=3)
+    assert (s.train_left(0), s.train_left(1)) == (3, 3)
+    s.apply(close(1, [train(0, 0), train(0, 1)]))
+    s.apply(close(2, [train(0, 1)]))  # a duplicate counts once
+    assert (s.train_left(0), s.train_left(1)) == (1, 3)
+    s.apply(close(3, [train(0, 2), train(1, 0)]))
+    assert s.epoch_ended(0)
+    assert (s.train_left(0), s.train_left(1)) == (0, 2)

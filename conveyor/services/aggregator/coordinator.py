@@ -161,6 +161,8 @@ class Coordinator:
             self.first_sent_at = contribution.sent_at
 
     def _fold_close(self, close: StepClose) -> None:
+        if self.closes.get(close.version) == close:
+            return  # read back after the coordinator folded it as it published it (Leader.act)
         if close.version != self.version + 1:
             logger.warning("job %s: ignoring StepClose %d at version %d",
                            self.config.job_id, close.version, self.version)  # fmt: skip

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.libs.bus import Producer
+from conveyor.libs.bus import Producer, TopicTail
 from conveyor.libs.config import KafkaSettings
 from conveyor.libs.messages import JobEvent, Topics
 from conveyor.libs.storage import ObjectStore
@@ -60,13 +60,20 @@ class Leader:
         self._progress_at = 0.0
         self._progress_key: tuple[Any, ...] | None = None
 
-    async def act(self) -> None:
-        """One pass: decide and publish, then progress, epoch results and the job's end."""
+    async def act(self, control_log: TopicTail) -> bool:
+        """One pass: decide and publish, then progress, epoch results and the job's end.
+
+        Returns whether it closed a step and folded that StepClose at once: when every record
+        before it on the control log (``control_log``, the tail this process folds) was read
+        already, folding it now is folding it in log order, and this process's shards may
+        apply it without the hop of reading it back. Otherwise it is folded when read.
+        """
         if self._completion is not None:
             if self._completion.done():
                 self._completion.result()  # re-raises what the export failed with
-            return
+            return False
         coordinator = self.coordinator
+        folded = False
         decisions = coordinator.decide(time.time())
         control = self.topics.control(self.ctx.job_id)
         for rejection in decisions.rejections:
@@ -75,7 +82,10 @@ class Leader:
             await self.producer.publish(control, rejection)
             self.metrics.rejections.labels(rejection_label(rejection.reason)).inc()
         if decisions.close is not None:
-            await self.producer.publish(control, decisions.close)
+            record = await self.producer.publish(control, decisions.close)
+            if control_log.position(record.partition) == record.offset:
+                coordinator.fold(decisions.close)
+                folded = True
             for entry in decisions.close.contributions:
                 self.metrics.staleness.observe(int(entry["staleness"]))
         await self._progress()
@@ -88,6 +98,7 @@ class Leader:
             self._completion = asyncio.create_task(
                 self._complete(), name=f"aggregator.complete.{self.ctx.job_id}"
             )
+        return folded
 
     async def stop(self) -> None:
         """Cancel a completion in progress (the next coordinator redoes it)."""

@@ -215,7 +215,8 @@ class JobAggregator:
                 await self._advance(shard, grads)
             if self._may_lead(control):
                 self._engine_doing = "coordinating"
-                await self.leader.act()
+                if await self.leader.act(control):
+                    self._wake.set()  # a StepClose folded at once: the shards may apply it
             grads.rest(not self._grads_wanted(grads))
             self.metrics.held_slices.set(sum(s.buffered for s in self.shards.values()))
 

@@ -172,6 +172,12 @@ class ControlState:
     def epoch_ended(self, epoch: int) -> bool:
         return epoch in self.epoch_end
 
+    def train_left(self, epoch: int) -> int:
+        """Train batches of ``epoch`` that no StepClose applied yet (0 once it ended)."""
+        if epoch in self.epoch_end:
+            return 0
+        return self.train_batches_per_epoch - len(self._train.get(epoch, ()))
+
     def eval_done(self, epoch: int) -> bool:
         """Every eval batch of ``epoch`` is covered by some EvalResult."""
         return epoch in self._eval_done

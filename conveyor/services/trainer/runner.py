@@ -365,6 +365,8 @@ class JobRunner:
             item, dropped = self.book.next_train(self.control)
             self.figures.batches_dropped(dropped, "applied elsewhere")
             if item is None:
+                if batches and self._epoch_in_hand(batches):
+                    break  # the rest of the epoch is here: waiting would only stall the step
                 received, waited = await self._receive(self.settings.empty_contribution_wait_s)
                 wait_s += waited
                 if not received:
@@ -375,6 +377,17 @@ class JobRunner:
             batches.append(item)
             results.append(result)
         return batches, results, wait_s
+
+    def _epoch_in_hand(self, gathered: list[ReadyBatch]) -> bool:
+        """Every train batch of the current epoch not applied yet is ``gathered`` for this
+        step or in this trainer's outstanding contributions, so no other can arrive for it
+        (an epoch whose count is not a multiple of the step would otherwise wait
+        ``empty_contribution_wait_s`` at its end for a batch that does not exist)."""
+        epoch = self.control.current_epoch
+        outstanding = sum(
+            1 for pending in self.outstanding for batch in pending.batches if batch.epoch == epoch
+        )
+        return self.control.train_left(epoch) <= len(gathered) + outstanding
 
     async def _receive(
         self, timeout_s: float | None, *, count_wait: bool = True
