@@ -239,6 +239,25 @@ def scale_supported() -> bool:
     return "--scale" in result.stdout
 
 
+def wait_until_ready(
+    name: str, base_url: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Until ``base_url``/readyz answers 200; RuntimeError when ``process`` exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}; see its log")
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} not ready in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 class ConveyorStack:
     """One ``conveyor up`` stack in a fresh state directory, with ``preprocessors`` processes.
 
@@ -295,16 +314,8 @@ class ConveyorStack:
         torch's optimizer machinery, seconds of CPU) is then not counted as the job's."""
         deadline = time.monotonic() + timeout_s
         for service in self.state.get("services", []):
-            url = f"http://{service['host']}:{service['port']}/readyz"
-            while True:
-                try:
-                    if httpx.get(url, timeout=2.0).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{service['name']} not ready in {timeout_s:.0f} s")
-                time.sleep(0.2)
+            url = f"http://{service['host']}:{service['port']}"
+            wait_until_ready(service["name"], url, deadline - time.monotonic())
 
     def start_service(self, name: str, service: str, env: dict[str, str] | None = None) -> None:
         """Start one more ``python -m conveyor service SERVICE`` process named ``name``, with
@@ -330,17 +341,7 @@ class ConveyorStack:
                 env=env,
             )
         self._extras.append((name, process))
-        deadline = time.monotonic() + 90.0
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}; see its log")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{name} not ready in 90 s")
+        wait_until_ready(name, f"http://127.0.0.1:{port}", 90.0, process)
 
     @property
     def bootstrap(self) -> str:
