@@ -124,7 +124,8 @@ class Plane:
         async with running(trainers[0]), running(trainers[1]):
             await submit(kafka, topics, job_id, spec)
             await jobs.wait_for(lambda: jobs.of("planned", job_id))
-            # Read while the job runs: its topics are deleted when it ends.
+            # Read while the job runs: its topics are deleted when it ends (after the grace
+            # the test's sharder gives them).
             captured: list[list[Any]] = [[], [], [], []]
             names = (topics.control, topics.batches, topics.grads, topics.params)
             following = [

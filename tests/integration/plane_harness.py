@@ -76,15 +76,19 @@ def trainer(
 
 
 @asynccontextmanager
-async def pipeline(kafka: KafkaSettings, objects: Path) -> AsyncIterator[None]:
-    """Sharder, a preprocessor and two aggregators, ready."""
+async def pipeline(
+    kafka: KafkaSettings, objects: Path, *, topics_grace_s: float = 0.0
+) -> AsyncIterator[None]:
+    """Sharder, a preprocessor and two aggregators, ready. ``topics_grace_s``: how long the
+    sharder keeps a finished job's topics (for a test that reads all of them)."""
     storage = StorageSettings(uri=f"file://{objects}")
     aggregator_settings = AggregatorSettings(
         member_timeout_s=MEMBER_TIMEOUT_S, tick_s=0.05, progress_interval_s=0.2
     )
     services: list[Servable] = [
         SharderService(
-            settings=SharderSettings(tick_s=0.1), kafka=kafka, storage=storage,
+            settings=SharderSettings(tick_s=0.1, finished_topics_grace_s=topics_grace_s),
+            kafka=kafka, storage=storage,
             telemetry=telemetry(),
         ),
         PreprocessorService(

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from plane_capture import Plane, Run
+from plane_capture import CAPTURE_TIMEOUT_S, Plane, Run
 from plane_harness import assert_exactly_once, job_log, pipeline
 from plane_replay import assert_replays
 from torch import nn
@@ -102,7 +102,10 @@ async def plane(
     kafka: KafkaSettings, tmp_path_factory: pytest.TempPathFactory, process_torch_state: None
 ) -> AsyncIterator[Plane]:
     objects = tmp_path_factory.mktemp("plane") / "objects"
-    async with job_log(kafka) as (topics, jobs), pipeline(kafka, objects):
+    # Each job's topics stay a while after it ends: the capture reads all of them, and a reader
+    # still a fetch behind when they were deleted at once missed its last records.
+    grace = CAPTURE_TIMEOUT_S + 5
+    async with job_log(kafka) as (topics, jobs), pipeline(kafka, objects, topics_grace_s=grace):
         yield Plane(kafka, topics, jobs, objects)
 
 

@@ -60,9 +60,9 @@ def spec_with(**changes: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def running_sharder(kafka: KafkaSettings) -> AsyncIterator[SharderService]:
+async def running_sharder(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[SharderService]:
     service = SharderService(
-        settings=SharderSettings(tick_s=0.1),
+        settings=SharderSettings(tick_s=0.1, **settings),
         kafka=kafka,
         storage=StorageSettings(),
         telemetry=TelemetrySettings(otlp_endpoint=None),
@@ -226,6 +226,29 @@ async def test_plans_releases_with_flow_control_and_cancels(
     release_traces = {f"{s.context.trace_id:032x}" for s in releases}
     headers = [h for m, h in shards.records if isinstance(m, ShardTask)]
     assert {h["traceparent"].decode().split("-")[1] for h in headers} == release_traces
+
+
+async def test_a_finished_jobs_topics_stay_for_the_grace_then_go(
+    kafka_settings: KafkaSettings,
+) -> None:
+    topics = Topics(kafka_settings.topic_prefix)
+    grace_s = 3.0
+    async with (
+        running_sharder(kafka_settings, finished_topics_grace_s=grace_s),
+        TopicReader(kafka_settings, topics.jobs) as jobs,
+    ):
+        await publish(kafka_settings, "job1", "submitted", {"spec": DIGITS_SPEC})
+        await jobs.wait_for(lambda m: bool(events(m, "job1", "planned")), 15)
+        await publish(kafka_settings, "job1", "cancel_requested", {"reason": "test"})
+        await jobs.wait_for(lambda m: bool(events(m, "job1", "cancelled")), 10)
+        ended = time.monotonic()
+        job_topics = set(topics.job_topics("job1"))
+        assert job_topics <= await topic_names(kafka_settings)  # kept: within the grace
+        deadline = ended + grace_s + 10
+        while job_topics & await topic_names(kafka_settings):
+            assert time.monotonic() < deadline, "job topics not deleted after the grace"
+            await asyncio.sleep(0.1)
+        assert time.monotonic() - ended >= grace_s - 0.5  # not before it (the event's echo)
 
 
 async def test_bad_jobs_fail_and_the_next_job_is_planned(kafka_settings: KafkaSettings) -> None:

@@ -46,6 +46,13 @@ class SharderSettings(_FileAwareSettings):
         default=0.5,
         description="Longest time between release passes when no job event arrives (seconds).",
     )
+    finished_topics_grace_s: Annotated[float, Field(ge=0, le=3600)] = Field(
+        default=0.0,
+        description=(
+            "Seconds a finished job's topics are kept before they are deleted, for readers "
+            "still reading its last records (0: deleted as soon as the job ends)."
+        ),
+    )
     max_held_events: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
         default=10_000,
         description=(

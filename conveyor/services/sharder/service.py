@@ -89,6 +89,8 @@ class SharderService(Service):
         self._admin: TopicAdmin | None = None
         self._consumer: Consumer | None = None
         self._dataset_attempts: dict[str, int] = {}
+        self._ended_at: dict[str, float] = {}
+        """Terminal jobs whose topics are kept for the grace period -> when seen ended."""
         self._released = counter("sharder", "shards_released_total", "Shard tasks released.")
         self._lead = gauge(
             "sharder", "lead_batches", "Released batches not yet consumed, summed over jobs."
@@ -169,8 +171,11 @@ class SharderService(Service):
                 # The partition moved to another sharder, which replays the job's events.
                 logger.info("job %s: handed over to another sharder", job.job_id)
                 self.table.forget(job.job_id)
+                self._ended_at.pop(job.job_id, None)
             elif job.terminal:
-                finished.append(job)
+                ended_at = self._ended_at.setdefault(job.job_id, time.monotonic())
+                if time.monotonic() - ended_at >= self.settings.finished_topics_grace_s:
+                    finished.append(job)
             elif job.outcome_published:
                 continue  # our failed/cancelled event is on its way back
             elif job.cancel_requested:
@@ -351,6 +356,7 @@ class SharderService(Service):
         for job in jobs:
             self.table.forget(job.job_id)
             self._dataset_attempts.pop(job.job_id, None)
+            self._ended_at.pop(job.job_id, None)
             consumer.ack(job.submitted)
             logger.info("job %s: finished; topics deleted", job.job_id)
 
