@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 SPEC   ?= examples/digits.yaml
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck imports unit bench clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -25,12 +25,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+imports: $(STAMP)
+	$(BIN)/lint-imports
+
+test: lint typecheck imports
 	$(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python loadtests/bench_codec.py
-	$(BIN)/python loadtests/bench_bus.py
+	$(BIN)/python -m loadtests.bench_codec
+	$(BIN)/python -m loadtests.bench_bus
 
 clean:
 	rm -rf $(VENV) .conveyor .pytest_cache .mypy_cache .ruff_cache

@@ -424,7 +424,7 @@ class JobWatcher:
     def __init__(
         self, *, bootstrap: str, topic_prefix: str, job_id: str, sample_interval_s: float = 0.2
     ) -> None:
-        from conveyor.libs.messages import Topics
+        from conveyor.platform.messages import Topics
 
         self.job_id = job_id
         self._bootstrap = bootstrap
@@ -547,7 +547,7 @@ class JobWatcher:
     def _decode(self, value: bytes | None) -> object:
         """The message in ``value``; None (and counted in ``undecodable``) when it is not one
         this checkout's codec reads, e.g. written by services started from other code."""
-        from conveyor.libs.codec import CodecError, decode
+        from conveyor.platform.codec import CodecError, decode
 
         if not value:
             return None
@@ -558,7 +558,7 @@ class JobWatcher:
             return None
 
     def _job_event(self, value: bytes | None) -> tuple[str, float, dict[str, Any]] | None:
-        from conveyor.libs.messages import JobEvent
+        from conveyor.platform.messages import JobEvent
 
         message = self._decode(value)
         if not isinstance(message, JobEvent) or message.job_id != self.job_id:
@@ -568,7 +568,7 @@ class JobWatcher:
         return event
 
     def _heartbeat(self, value: bytes | None) -> None:
-        from conveyor.libs.messages import Heartbeat
+        from conveyor.platform.messages import Heartbeat
 
         message = self._decode(value)
         if isinstance(message, Heartbeat) and message.role == "trainer":

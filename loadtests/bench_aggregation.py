@@ -43,8 +43,8 @@ The last line printed is one JSON object:
      (the reference's mean over REFERENCE_SEEDS seeds; the system's median over the repeats is
      "system_topk_accuracy_delta": a few runs cannot resolve 1.5 points through seed noise)}
 
-    PYTHONPATH=. .venv/bin/python loadtests/bench_aggregation.py            # 3 repeats
-    PYTHONPATH=. .venv/bin/python loadtests/bench_aggregation.py --quick    # smoke run
+    .venv/bin/python -m loadtests.bench_aggregation            # 3 repeats
+    .venv/bin/python -m loadtests.bench_aggregation --quick    # smoke run
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,11 +65,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import ConveyorStack, JobWatcher, scale_supported, thread_cpu_seconds
-from ddp_baseline import Case, run_baselines
-from topk_reference import REFERENCE_SEEDS, investigate, reference_accuracy
+from loadtests._bench_common import ConveyorStack, JobWatcher, scale_supported, thread_cpu_seconds
+from loadtests.ddp_baseline import Case, run_baselines
+from loadtests.topk_reference import REFERENCE_SEEDS, investigate, reference_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = 2
@@ -199,7 +196,7 @@ def result_json(
 
 def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, Any]:
     """examples/digits.yaml (2 trainers, 2 shards, sync) on the CPU with 1 torch thread."""
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.training.jobspec import JobSpec
 
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     data["name"] = f"bench-agg-digits-{compression}"
@@ -215,7 +212,7 @@ def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, An
 
 def resnet_spec(*, n: int, width: int) -> dict[str, Any]:
     """resnet18 (group norm: no buffers) on synthetic 3x32x32, one epoch, same distribution."""
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.training.jobspec import JobSpec
 
     text = f"""
 name: bench-agg-resnet18
@@ -250,7 +247,7 @@ class PlaneWatcher(JobWatcher):
         """When the last StepClose or Contribution was read (monotonic seconds)."""
 
     def _heartbeat(self, value: bytes | None) -> None:  # every control-topic record
-        from conveyor.libs.messages import Contribution, Heartbeat, StepClose
+        from conveyor.platform.messages import Contribution, Heartbeat, StepClose
 
         message = self._decode(value)
         if isinstance(message, Heartbeat) and message.role == "trainer":
@@ -297,8 +294,8 @@ def stall_diagnosis(watcher: PlaneWatcher, idle_s: float) -> str:
 
 def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
     """Submit ``spec`` to the running stack, follow it to its end; figures of the run."""
-    from conveyor.client import GatewayClient
-    from conveyor.libs.config import KafkaSettings
+    from conveyor.cli.client import GatewayClient
+    from conveyor.platform.config import KafkaSettings
 
     with GatewayClient(stack.gateway_url) as client:
         client.wait_ready()

@@ -13,7 +13,7 @@ is produce-all (every ack received) + consume-all. Throughput = tensor bytes / t
 ratio = median over repeats of bus/raw, both taken in the same repeat. The last line printed
 is one JSON object: {"bus_vs_raw_aiokafka": <ratio>}.
 
-    .venv/bin/python loadtests/bench_bus.py --messages 200 --size-bytes 786432 --repeats 5
+    .venv/bin/python -m loadtests.bench_bus --messages 200 --size-bytes 786432 --repeats 5
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from rich.console import Console
 from rich.table import Table
 
 from conveyor.embedded.broker import EmbeddedBroker
-from conveyor.libs.bus import Consumer, Producer, TopicAdmin, TopicSpec
-from conveyor.libs.bus.options import consumer_options, producer_options
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import Batch
+from conveyor.platform.bus import Consumer, Producer, TopicAdmin, TopicSpec
+from conveyor.platform.bus.options import consumer_options, producer_options
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import Batch
 
 IMAGE_BYTES = 3 * 32 * 32
 """One CIFAR-like uint8 image [3, 32, 32]."""

@@ -17,7 +17,7 @@ table as overhead (codec - copy, microseconds). The table's caption gives the lo
 before and after: on a shared machine, compare runs only under similar load (a loaded machine
 slows the copy more than the codec, which flatters the ratio).
 
-    .venv/bin/python loadtests/bench_codec.py --repeats 30 --sizes 64x1x8x8,256x3x32x32
+    .venv/bin/python -m loadtests.bench_codec --repeats 30 --sizes 64x1x8x8,256x3x32x32
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from conveyor.libs.codec import CodecLimits, decode, encode
-from conveyor.libs.messages import Batch
+from conveyor.platform.codec import CodecLimits, decode, encode
+from conveyor.platform.messages import Batch
 
 DEFAULT_SIZES = "64x1x8x8,256x3x32x32,64x3x224x224"
 

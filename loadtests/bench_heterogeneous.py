@@ -24,8 +24,8 @@ figures are medians over repeats. The last line printed is one JSON object:
 {"adaptive_vs_equal": <sync adaptive / sync equal samples/s>,
  "ssp_vs_sync": <ssp adaptive / sync adaptive samples/s>}
 
-    .venv/bin/python loadtests/bench_heterogeneous.py             # 2 repeats
-    .venv/bin/python loadtests/bench_heterogeneous.py --quick     # 1 repeat, a smaller job
+    .venv/bin/python -m loadtests.bench_heterogeneous             # 2 repeats
+    .venv/bin/python -m loadtests.bench_heterogeneous --quick     # 1 repeat, a smaller job
 """
 
 from __future__ import annotations
@@ -34,18 +34,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import ConveyorStack, JobWatcher, scale_supported
+from loadtests._bench_common import ConveyorStack, JobWatcher, scale_supported
 
 JOB_TIMEOUT_S = 600.0
 SLOW_WORKER_ID = "trainer-slow"
@@ -60,7 +56,7 @@ def job_spec(*, n: int, epochs: int, allocation: str, mode: str, threads: int) -
     of the job, nearly every batch would be released, unrouted, before any throughput is
     known); still more than ssp holds in flight (2 trainers x staleness 2 contributions of
     their share of 4 micro-batches, not applied yet), so that ssp is not starved by it."""
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.training.jobspec import JobSpec
 
     text = f"""
 name: bench-heterogeneous
@@ -96,8 +92,8 @@ def micro_batch_seconds(spec: dict[str, Any], repeats: int = 12) -> float:
     the estimate other load on the machine disturbs least."""
     from torch.nn import functional as F
 
-    from conveyor.libs.jobspec import JobSpec
-    from conveyor.libs.models import build_model
+    from conveyor.training.jobspec import JobSpec
+    from conveyor.training.models import build_model
 
     job = JobSpec.from_dict(spec)
     if job.resources.threads is not None:
@@ -126,7 +122,7 @@ class Watcher(JobWatcher):
         self.beats: list[tuple[str, float, dict[str, Any]]] = []
 
     def _heartbeat(self, value: bytes | None) -> None:
-        from conveyor.libs.messages import Heartbeat
+        from conveyor.platform.messages import Heartbeat
 
         message = self._decode(value)
         if isinstance(message, Heartbeat) and message.role == "trainer":
@@ -145,8 +141,8 @@ def compute_rate(watcher: Watcher, worker_id: str) -> float | None:
 
 def run_job(spec: dict[str, Any], delay_s: float, use_scale: bool) -> dict[str, Any]:
     """A fresh stack + the slow trainer; submit ``spec``; follow it to its end."""
-    from conveyor.client import GatewayClient
-    from conveyor.libs.config import KafkaSettings
+    from conveyor.cli.client import GatewayClient
+    from conveyor.platform.config import KafkaSettings
 
     stack = ConveyorStack(preprocessors=1, env=TRAINER_ENV, use_scale=use_scale)
     watcher: Watcher | None = None

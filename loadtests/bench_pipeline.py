@@ -20,7 +20,8 @@ Each repeat runs both systems, in alternating order:
                 (progress events, heartbeats), the backlog from the batches topic's end offsets
                 against the consumed count of the trainer's progress events;
     dataloader  one process (a subprocess of this script): the same dataset, split, per-epoch
-                order and augmentation (conveyor.libs.augment, keyed by seed/epoch/sample id,
+                order and augmentation (conveyor.services.preprocessor.augment, keyed by
+                seed/epoch/sample id,
                 so both see the same pixels), uint8 micro-batches from a DataLoader with
                 --workers persistent workers (numpy arrays through the worker pipe by default:
                 torch's per-tensor fd hand-over costs milliseconds per batch here), normalised
@@ -41,8 +42,8 @@ The last line printed is one JSON object,
  "cpu_per_sample_vs_dataloader": c, "digits_...": ...},
 for the first scenario (synthetic by default), with light_* and digits_* keys for the others.
 
-    .venv/bin/python loadtests/bench_pipeline.py            # 3 repeats, both scenarios
-    .venv/bin/python loadtests/bench_pipeline.py --quick    # 1 repeat, smaller jobs
+    .venv/bin/python -m loadtests.bench_pipeline            # 3 repeats, both scenarios
+    .venv/bin/python -m loadtests.bench_pipeline --quick    # 1 repeat, smaller jobs
 """
 
 from __future__ import annotations
@@ -66,9 +67,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (
+from loadtests._bench_common import (
     ConveyorStack,
     JobWatcher,
     Progress,
@@ -100,7 +99,7 @@ JOB_TIMEOUT_S = 600.0
 
 def synthetic_spec(*, n: int, epochs: int, cost_ms: float, threads: int) -> dict[str, Any]:
     """The CPU-heavy synthetic job (examples/synthetic.yaml with one trainer)."""
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.training.jobspec import JobSpec
 
     text = f"""
 name: bench-synthetic
@@ -129,7 +128,7 @@ flow: {{max_lead_batches: 64}}
 
 def digits_spec(*, epochs: int, threads: int) -> dict[str, Any]:
     """examples/digits.yaml with ``epochs`` and the torch thread count set."""
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.training.jobspec import JobSpec
 
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     data["training"]["epochs"] = epochs
@@ -139,8 +138,8 @@ def digits_spec(*, epochs: int, threads: int) -> dict[str, Any]:
 
 def total_steps(spec: dict[str, Any]) -> int:
     """Optimizer steps of the whole job (the dataset is opened to count its samples)."""
-    from conveyor.libs.datasets import open_dataset
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.training.datasets import open_dataset
+    from conveyor.training.jobspec import JobSpec
 
     job = JobSpec.from_dict(spec)
     samples = open_dataset(job.dataset.uri).num_samples
@@ -168,7 +167,7 @@ class ReleaseOrder(torch.utils.data.Sampler[list[tuple[int, int, int]]]):
             yield [(self.epoch, split, int(i)) for i in ids[start : start + self.micro]]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
-        from conveyor.libs.plan import epoch_order
+        from conveyor.training.plan import epoch_order
 
         yield from self._chunks(epoch_order(self.train_ids, self.seed, self.epoch), TRAIN)
         yield from self._chunks(self.eval_ids, EVAL)
@@ -247,13 +246,13 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     """Train the job in this process with a DataLoader; returns the measurements."""
     from torch.nn import functional as F
 
-    from conveyor.libs.datasets import open_dataset
-    from conveyor.libs.jobspec import JobSpec
-    from conveyor.libs.models import build_model
-    from conveyor.libs.optim import build_optimizer
-    from conveyor.libs.plan import split_ids
     from conveyor.services.preprocessor.work import augmenter_for
     from conveyor.services.trainer.compute import resolve_device
+    from conveyor.training.datasets import open_dataset
+    from conveyor.training.jobspec import JobSpec
+    from conveyor.training.models import build_model
+    from conveyor.training.optim import build_optimizer
+    from conveyor.training.plan import split_ids
 
     # CPU from here on, like the Conveyor trainer's from the job's submission: the job's set-up
     # (model, optimizer: its first construction imports torch._dynamo) counts for both.
@@ -419,9 +418,9 @@ def run_conveyor(
     spec: dict[str, Any], args: argparse.Namespace, warmup: int, use_scale: bool
 ) -> dict[str, Any]:
     """Start a fresh stack, submit ``spec`` through the gateway, follow it to its end."""
-    from conveyor.client import GatewayClient
-    from conveyor.libs.config import KafkaSettings
-    from conveyor.libs.jobspec import JobSpec
+    from conveyor.cli.client import GatewayClient
+    from conveyor.platform.config import KafkaSettings
+    from conveyor.training.jobspec import JobSpec
 
     stack = ConveyorStack(preprocessors=args.preprocessors, env=TRAINER_ENV, use_scale=use_scale)
     watcher: JobWatcher | None = None

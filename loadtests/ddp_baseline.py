@@ -44,11 +44,11 @@ def _timed_steps(
     from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from conveyor.libs.datasets import open_dataset
-    from conveyor.libs.jobspec import JobSpec
-    from conveyor.libs.optim import build_optimizer
-    from conveyor.libs.plan import epoch_order, split_ids
-    from conveyor.libs.slicing import build_job_model
+    from conveyor.training.datasets import open_dataset
+    from conveyor.training.jobspec import JobSpec
+    from conveyor.training.optim import build_optimizer
+    from conveyor.training.plan import epoch_order, split_ids
+    from conveyor.training.slicing import build_job_model
 
     spec = JobSpec.from_dict(spec_dict)
     dataset = open_dataset(spec.dataset.uri)

@@ -3,10 +3,10 @@
 Delayed-gradient SGD as the aggregator runs it in ssp mode: each step applies one trainer's
 share of the global batch, its gradient computed on the parameters of ``d`` versions back
 (``d`` drawn from ``delays`` per step, as two trainers within staleness 2 produce), then one
-:class:`~conveyor.libs.optim.SliceOptimizer` step. It compares ways of applying stale
+:class:`~conveyor.training.optim.SliceOptimizer` step. It compares ways of applying stale
 gradients (docs/architecture.md, departure 13) without the broker, in seconds per seed:
 
-    PYTHONPATH=. .venv/bin/python loadtests/ssp_momentum.py --seeds 3
+    .venv/bin/python -m loadtests.ssp_momentum --seeds 3
 
 Prints one line per rule (eval accuracy per seed), then a JSON object of the mean accuracies.
 """
@@ -25,11 +25,11 @@ import torch
 import yaml
 from torch.nn import functional as F
 
-from conveyor.libs.datasets import open_dataset
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.optim import SliceOptimizer, staleness_momentum
-from conveyor.libs.plan import epoch_order, split_ids
-from conveyor.libs.slicing import ParamLayout, build_job_model
+from conveyor.training.datasets import open_dataset
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.optim import SliceOptimizer, staleness_momentum
+from conveyor.training.plan import epoch_order, split_ids
+from conveyor.training.slicing import ParamLayout, build_job_model
 
 DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "digits.yaml"
 

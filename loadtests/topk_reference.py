@@ -5,7 +5,7 @@ and without the timing-dependent parts (which trainer gets which micro-batch, wh
 it tells a system bug from a property of the algorithm, and averages accuracy over many seeds
 in seconds each (one seed's top-k delta is mostly noise).
 
-    PYTHONPATH=. .venv/bin/python loadtests/bench_aggregation.py --investigate 16
+    .venv/bin/python -m loadtests.bench_aggregation --investigate 16
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def reference_accuracy(spec_dict: dict[str, Any], *, seed: int | None = None) ->
     parameters (equal to per-slice optimizers)."""
     from torch.nn import functional as F
 
-    from conveyor.libs.compression import decode_slice
-    from conveyor.libs.datasets import open_dataset
-    from conveyor.libs.jobspec import JobSpec
-    from conveyor.libs.optim import aggregator_optimizer, build_optimizer, lr_at
-    from conveyor.libs.plan import epoch_order, split_ids
-    from conveyor.libs.slicing import ParamLayout, build_job_model
     from conveyor.services.trainer.gradients import SliceEncoder
+    from conveyor.training.compression import decode_slice
+    from conveyor.training.datasets import open_dataset
+    from conveyor.training.jobspec import JobSpec
+    from conveyor.training.optim import aggregator_optimizer, build_optimizer, lr_at
+    from conveyor.training.plan import epoch_order, split_ids
+    from conveyor.training.slicing import ParamLayout, build_job_model
 
     data = json.loads(json.dumps(spec_dict))
     if seed is not None:

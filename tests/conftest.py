@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from conveyor.embedded.broker import EmbeddedBroker, free_port
-from conveyor.libs.config import KafkaSettings
+from conveyor.platform.config import KafkaSettings
 
 
 @pytest.fixture(scope="session")

@@ -25,13 +25,13 @@ import numpy as np
 from numpy.typing import NDArray
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.client import TERMINAL_STATES, GatewayClient
+from conveyor.cli.client import TERMINAL_STATES, GatewayClient
 from conveyor.embedded.broker import free_port
 from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.stack import stop_stack
 from conveyor.embedded.state import ServiceInfo, StackState, load_state
-from conveyor.libs.config import StorageSettings
-from conveyor.libs.storage import ObjectStore, open_store
+from conveyor.platform.config import StorageSettings
+from conveyor.platform.storage import ObjectStore, open_store
 
 E2E_ENV = {
     # A SIGKILLed group member is evicted after 3 s (and Tansu completes joins after half).

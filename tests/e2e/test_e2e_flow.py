@@ -27,7 +27,7 @@ from e2e_stack import (
     wait_for,
 )
 
-from conveyor.client import TERMINAL_STATES
+from conveyor.cli.client import TERMINAL_STATES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -32,8 +32,8 @@ from e2e_stack import (
 )
 
 from conveyor.embedded.report import probe_stack
-from conveyor.libs.config import StorageSettings
-from conveyor.libs.datasets.pack import pack_npz
+from conveyor.platform.config import StorageSettings
+from conveyor.training.datasets.pack import pack_npz
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

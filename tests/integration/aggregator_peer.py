@@ -18,11 +18,9 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from conveyor.libs.bus import Producer, TopicTail
-from conveyor.libs.compression import TopKFeedback, decode_slice, encode_slice, encoding_for
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.datasets import Dataset
-from conveyor.libs.messages import (
+from conveyor.platform.bus import Producer, TopicTail
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import (
     Contribution,
     EvalResult,
     GradSlice,
@@ -34,8 +32,10 @@ from conveyor.libs.messages import (
     Topics,
     batch_id_for,
 )
-from conveyor.libs.optim import build_optimizer
 from conveyor.services.aggregator.job import JobContext
+from conveyor.training.compression import TopKFeedback, decode_slice, encode_slice, encoding_for
+from conveyor.training.datasets import Dataset
+from conveyor.training.optim import build_optimizer
 
 
 class Peer:

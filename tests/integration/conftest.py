@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conveyor.libs.storage.base import CHUNK_BYTES, HashingReader
+from conveyor.platform.storage.base import CHUNK_BYTES, HashingReader
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@
     python example_service.py MARKER_DIR [--crash]
 
 Settings come from the environment (CONVEYOR_TELEMETRY_..., OTEL_EXPORTER_OTLP_ENDPOINT), as in
-a container. ``drain()`` writes MARKER_DIR/drained.json; ``--crash`` spawns a task that crashes
-and may not restart, so the process must exit 1 on its own.
+a container. ``drain()`` writes MARKER_DIR/drained.json; ``--crash`` adds a background task that
+crashes: like every service, ``run()`` owns its tasks in a TaskGroup, so the crash ends ``run()``
+and the process must exit 1 on its own.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from conveyor.libs.config import TelemetrySettings
-from conveyor.libs.service import Service, run_service
-from conveyor.libs.telemetry import counter
+from conveyor.platform.config import TelemetrySettings
+from conveyor.platform.service import Service, run_service
+from conveyor.platform.telemetry import counter
 
 logger = logging.getLogger("example")
 
@@ -37,11 +38,11 @@ class ExampleService(Service):
     async def run(self) -> None:
         with trace.get_tracer(__name__).start_as_current_span("example.startup"):
             logger.info("example started")
-        self.supervisor.spawn("ticker", self._tick)
-        if self.crash:
-            self.supervisor.spawn("doomed", self._doomed, restart=False)
         try:
-            await asyncio.Event().wait()
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._tick(), name="ticker")
+                if self.crash:
+                    group.create_task(self._doomed(), name="doomed")
         except asyncio.CancelledError:
             self.run_cancelled = True
             raise

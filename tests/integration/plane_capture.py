@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from plane_harness import Jobs, follow, running, submit, trainer
 
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import (
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import (
     Batch,
     Contribution,
     GradSlice,

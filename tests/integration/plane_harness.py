@@ -18,13 +18,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from conveyor.libs.bus import Producer, TopicSpec, TopicTail, ensure_topics
-from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.libs.datasets import open_dataset
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.jobview import JobLogReader, JobsView, JobView
-from conveyor.libs.messages import JobEvent, Topics
-from conveyor.libs.plan import split_ids
+from conveyor.platform.bus import Producer, TopicSpec, TopicTail, ensure_topics
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import JobEvent, Topics
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.service import AggregatorService
 from conveyor.services.preprocessor.config import PreprocessorSettings
@@ -33,6 +29,10 @@ from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.service import SharderService
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.service import TrainerService
+from conveyor.training.datasets import open_dataset
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.jobview import JobLogReader, JobsView, JobView
+from conveyor.training.plan import split_ids
 
 MEMBER_TIMEOUT_S = 3.0
 

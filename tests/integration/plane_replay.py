@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.slicing import build_job_model
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.slicing import build_job_model
 
 
 class Replica:

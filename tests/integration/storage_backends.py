@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from minio import Minio
 
-from conveyor.libs.config import StorageSettings
+from conveyor.platform.config import StorageSettings
 
 MiB = 1024 * 1024
 S3_PREFIX = "runs/r1"

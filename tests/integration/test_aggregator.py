@@ -26,17 +26,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 from prometheus_client import REGISTRY
 
-from conveyor.libs.bus import Producer, TopicAdmin, TopicSpec
-from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.libs.datasets import Dataset, open_dataset
-from conveyor.libs.export import load_exported_state
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import JobEvent, Topics
-from conveyor.libs.plan import JobPlan
-from conveyor.libs.storage import open_store
+from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
+from conveyor.services.aggregator.export import load_exported_state
 from conveyor.services.aggregator.job import JobContext, prepare_job
 from conveyor.services.aggregator.service import AggregatorService
+from conveyor.training.datasets import Dataset, open_dataset
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.plan import JobPlan
 
 SPEC: dict[str, Any] = {
     "name": "digits-agg",

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from conveyor.libs.bus import (
+from conveyor.platform.bus import (
     BusError,
     Consumer,
     Producer,
@@ -28,8 +28,8 @@ from conveyor.libs.bus import (
     TopicSpec,
     process_span,
 )
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import Batch, DeadLetter, JobEvent, Topics
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import Batch, DeadLetter, JobEvent, Topics
 
 MiB = 1024 * 1024
 
@@ -231,8 +231,8 @@ async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
 _HOLDER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
-    from conveyor.libs.bus import Consumer
-    from conveyor.libs.config import KafkaSettings
+    from conveyor.platform.bus import Consumer
+    from conveyor.platform.config import KafkaSettings
 
     async def main() -> None:
         settings = KafkaSettings.model_validate_json(sys.argv[1])

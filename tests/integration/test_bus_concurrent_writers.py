@@ -1,6 +1,6 @@
 """Several producers appending to one partition while readers follow it live: every record is
 delivered once, in offset order (the embedded broker can show offset n+1 before a concurrent n;
-see conveyor.libs.bus.holes)."""
+see conveyor.platform.bus.holes)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from conveyor.libs.bus import Consumer, Producer, TopicSpec, TopicTail, ensure_topics
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import Heartbeat
+from conveyor.platform.bus import Consumer, Producer, TopicSpec, TopicTail, ensure_topics
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import Heartbeat
 
 pytestmark = pytest.mark.timeout(120)
 

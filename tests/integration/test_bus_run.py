@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from conveyor.libs.bus import Consumer, Producer, Received, TopicAdmin, TopicSpec
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import JobEvent, Topics
+from conveyor.platform.bus import Consumer, Producer, Received, TopicAdmin, TopicSpec
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import JobEvent, Topics
 
 
 @pytest.fixture

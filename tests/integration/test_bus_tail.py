@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conveyor.libs.bus import (
+from conveyor.platform.bus import (
     BusError,
     Producer,
     Tailed,
@@ -17,8 +17,8 @@ from conveyor.libs.bus import (
     ensure_topics,
     read_last,
 )
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import Heartbeat
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import Heartbeat
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from conveyor.libs.config import StorageSettings
-from conveyor.libs.datasets import DatasetError, open_dataset, pack_npz
-from conveyor.libs.storage import open_store
+from conveyor.platform.config import StorageSettings
+from conveyor.platform.storage import open_store
+from conveyor.training.datasets import DatasetError, open_dataset, pack_npz
 
 
 @pytest.fixture

@@ -14,14 +14,14 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from conveyor.libs.bus import Producer
-from conveyor.libs.codec import decode
-from conveyor.libs.config import KafkaSettings, TelemetrySettings
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import JobEvent, Topics
-from conveyor.libs.service import ServiceError
+from conveyor.platform.bus import Producer
+from conveyor.platform.codec import decode
+from conveyor.platform.config import KafkaSettings, TelemetrySettings
+from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.service import ServiceError
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.service import GatewayService, job_id_for
+from conveyor.training.jobspec import JobSpec
 
 SPEC = JobSpec.from_yaml(
     (Path(__file__).resolve().parents[2] / "examples" / "digits.yaml").read_text()

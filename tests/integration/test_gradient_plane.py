@@ -36,10 +36,10 @@ from plane_harness import assert_exactly_once, job_log, pipeline
 from plane_replay import assert_replays
 from torch import nn
 
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import GradSlice
-from conveyor.libs.slicing import ParamLayout, build_job_model
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import GradSlice
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.slicing import ParamLayout, build_job_model
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 

@@ -19,15 +19,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
-from conveyor.libs.bus import Producer, TopicAdmin, TopicSpec
-from conveyor.libs.codec import decode
-from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.libs.datasets import open_dataset
-from conveyor.libs.messages import Batch, JobEvent, Message, ShardTask, Topics
-from conveyor.libs.plan import JobPlan
-from conveyor.libs.routing import choose_partition
+from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
+from conveyor.platform.codec import decode
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import Batch, JobEvent, Message, ShardTask, Topics
 from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
 from conveyor.services.preprocessor.service import PreprocessorService
+from conveyor.training.datasets import open_dataset
+from conveyor.training.plan import JobPlan
+from conveyor.training.routing import choose_partition
 
 DIGITS = "builtin://sklearn-digits"
 SLOW = "synthetic://?n=4000&shape=1x8x8&classes=10&seed=2&cost_ms=4"

@@ -22,8 +22,8 @@ import pytest
 from fastapi import FastAPI
 from otlp_receiver import OtlpReceiver
 
-from conveyor.libs.config import TelemetrySettings
-from conveyor.libs.service import Service, ServiceError, _serve_with_signals
+from conveyor.platform.config import TelemetrySettings
+from conveyor.platform.service import Service, ServiceError, _serve_with_signals
 
 EXAMPLE = Path(__file__).with_name("example_service.py")
 
@@ -93,7 +93,7 @@ async def test_probes_and_custom_route() -> None:
 
         metrics = await http.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
-        assert "# TYPE conveyor_recorder_task_crashes_total counter" in metrics.text
+        assert "# TYPE python_gc_objects_collected_total counter" in metrics.text
         openmetrics = await http.get(
             "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
         )
@@ -120,24 +120,11 @@ async def test_run_returning_ends_service_cleanly() -> None:
 
 async def test_run_crash_exits_non_zero(caplog: pytest.LogCaptureFixture) -> None:
     service = Recorder(run_mode="crash")
-    with caplog.at_level(logging.ERROR, logger="conveyor.libs.service"):
+    with caplog.at_level(logging.ERROR, logger="conveyor.platform.service"):
         assert await asyncio.wait_for(service.serve(), timeout=5) == 1
     (record,) = [r for r in caplog.records if "run() crashed" in r.getMessage()]
     assert record.exc_info is not None
     assert "drained" in service.events
-
-
-async def test_task_that_gives_up_stops_service_non_zero() -> None:
-    service = Recorder()
-
-    async def doomed() -> None:
-        raise RuntimeError("no")
-
-    serving = asyncio.create_task(service.serve())
-    await asyncio.wait_for(service.run_started.wait(), timeout=5)
-    service.supervisor.spawn("doomed", doomed, max_restarts=2, backoff_s=0.01)
-    assert await asyncio.wait_for(serving, timeout=5) == 1
-    assert service.events[-1] == "run cancelled"
 
 
 async def test_slow_drain_is_cut_at_drain_timeout() -> None:
@@ -291,7 +278,7 @@ def test_real_process_serves_probes_and_stops_cleanly_on_sigterm(
     assert span.span_id == started["span_id"]
 
 
-def test_real_process_exits_non_zero_when_a_task_gives_up(
+def test_real_process_exits_non_zero_when_a_background_task_crashes(
     tmp_path: Path, receiver: OtlpReceiver
 ) -> None:
     proc = Process([str(tmp_path), "--crash"], child_env(receiver))

@@ -16,13 +16,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
-from conveyor.libs.bus import Producer, TopicAdmin
-from conveyor.libs.codec import decode
-from conveyor.libs.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.libs.messages import JobEvent, Message, ShardTask, Topics
-from conveyor.libs.plan import JobPlan
+from conveyor.platform.bus import Producer, TopicAdmin
+from conveyor.platform.codec import decode
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import JobEvent, Message, ShardTask, Topics
 from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.service import SharderService
+from conveyor.training.plan import JobPlan
 
 DIGITS_SPEC: dict[str, Any] = {
     "name": "digits",

@@ -28,7 +28,7 @@ from conveyor.embedded.registry import ServiceSpec
 from conveyor.embedded.report import probe_stack
 from conveyor.embedded.stack import StackConfig, StackError, start_stack, stop_stack
 from conveyor.embedded.state import StackState, load_state
-from conveyor.libs.config import StorageSettings
+from conveyor.platform.config import StorageSettings
 
 
 def _env() -> dict[str, str]:

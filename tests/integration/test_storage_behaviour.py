@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from storage_backends import S3_PREFIX, payload, pending_uploads, raw_client, s3_settings
 
-from conveyor.libs.storage import (
+from conveyor.platform.storage import (
     ChecksumMismatch,
     ObjectNotFound,
     ObjectStore,
@@ -25,7 +25,7 @@ from conveyor.libs.storage import (
     open_store,
     sha256_hex,
 )
-from conveyor.libs.storage.base import CHUNK_BYTES
+from conveyor.platform.storage.base import CHUNK_BYTES
 
 
 @dataclass

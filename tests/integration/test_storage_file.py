@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.libs.storage import (
+from conveyor.platform.storage import (
     ChecksumMismatch,
     FileObjectStore,
     StorageError,

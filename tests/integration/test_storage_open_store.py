@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from storage_backends import s3_settings
 
-from conveyor.libs.config import StorageSettings
-from conveyor.libs.storage import open_store
+from conveyor.platform.config import StorageSettings
+from conveyor.platform.storage import open_store
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from minio import Minio
 from storage_backends import MiB, payload, pending_uploads, raw_client, s3_settings
 
 from conveyor.embedded.broker import free_port
-from conveyor.libs.storage import (
+from conveyor.platform.storage import (
     S3ObjectStore,
     StorageError,
     StorageUnavailable,

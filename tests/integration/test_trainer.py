@@ -37,9 +37,9 @@ from plane_harness import (
     trainer,
 )
 
-from conveyor.libs.bus import Producer, TopicSpec, TopicTail, ensure_topics
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.messages import Heartbeat, JobEvent, StepClose, Topics
+from conveyor.platform.bus import Producer, TopicSpec, TopicTail, ensure_topics
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import Heartbeat, JobEvent, StepClose, Topics
 from conveyor.services.trainer.timing import STEP_PARTS
 
 pytestmark = pytest.mark.timeout(240)

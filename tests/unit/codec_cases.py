@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from conveyor.libs.codec import ALIGN_BYTES, PREFIX_BYTES, decode, encode
-from conveyor.libs.messages import Message, message
+from conveyor.platform.codec import ALIGN_BYTES, PREFIX_BYTES, decode, encode
+from conveyor.platform.messages import Message, message
 
 
 @message("tests.codec.Sample", version=1)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.libs.compression import encode_slice
-from conveyor.libs.jobspec import JobSpec, OptimizerSpec
-from conveyor.libs.messages import Contribution, GradSlice, Rejection, StepClose
+from conveyor.platform.messages import Contribution, GradSlice, Rejection, StepClose
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
 from conveyor.services.aggregator.shard import SliceShard
+from conveyor.training.compression import encode_slice
+from conveyor.training.jobspec import JobSpec, OptimizerSpec
 
 JOB = "j"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.libs.compression import encode_slice
-from conveyor.libs.jobspec import OptimizerSpec
-from conveyor.libs.messages import GradSlice, StepClose
+from conveyor.platform.messages import GradSlice, StepClose
 from conveyor.services.aggregator.shard import SliceShard
+from conveyor.training.compression import encode_slice
+from conveyor.training.jobspec import OptimizerSpec
 
 SGD = OptimizerSpec(name="sgd", lr=0.1)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conveyor.libs.augment import build_augmenter, known_ops
+from conveyor.services.preprocessor.augment import build_augmenter, known_ops
 
 
 def _images(n: int = 12, shape: tuple[int, int, int] = (3, 8, 8)) -> np.ndarray:

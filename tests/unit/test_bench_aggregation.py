@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from types import ModuleType
 
 import pytest
-from loadtest_modules import load_loadtest
+
+from loadtests import bench_aggregation as bench
 
 
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return load_loadtest("bench_aggregation")
-
-
-def test_the_step_window_starts_at_the_last_warmup_step_and_ends_at_the_last_close(
-    bench: ModuleType,
-) -> None:
+def test_the_step_window_starts_at_the_last_warmup_step_and_ends_at_the_last_close() -> None:
     closes = [(1, 10.0), (2, 10.5), (3, 10.7), (4, 11.0), (5, 11.2), (6, 12.2)]
     window = bench.step_window(list(reversed(closes)), warmup_steps=2)  # order does not matter
     assert (window.steps, window.seconds) == (4, pytest.approx(1.7))
@@ -25,48 +18,46 @@ def test_the_step_window_starts_at_the_last_warmup_step_and_ends_at_the_last_clo
     assert window.median_interval_s == pytest.approx(0.25)  # of 0.2, 0.3, 0.2, 1.0
 
 
-def test_steps_without_samples_do_not_count(bench: ModuleType) -> None:
+def test_steps_without_samples_do_not_count() -> None:
     # Versions 2 and 4 applied no sample (left out): 3 -> 5 is one step.
     window = bench.step_window([(1, 0.0), (3, 1.0), (5, 2.5)], warmup_steps=2)
     assert (window.steps, window.seconds, window.median_interval_s) == (1, 1.5, 1.5)
 
 
-def test_a_window_without_a_step_is_none(bench: ModuleType) -> None:
+def test_a_window_without_a_step_is_none() -> None:
     assert bench.step_window([], warmup_steps=0) is None
     assert bench.step_window([(1, 0.0), (2, 1.0)], warmup_steps=2) is None
     assert bench.step_window([(1, 0.0), (2, 1.0)], warmup_steps=3) is None
 
 
-def test_warmup_is_a_tenth_of_the_steps_and_at_least_two(bench: ModuleType) -> None:
+def test_warmup_is_a_tenth_of_the_steps_and_at_least_two() -> None:
     assert [bench.default_warmup(n) for n in (0, 5, 29, 30, 127)] == [2, 2, 2, 3, 12]
 
 
-def test_contribution_bytes_leave_empty_contributions_out(bench: ModuleType) -> None:
+def test_contribution_bytes_leave_empty_contributions_out() -> None:
     found = bench.mean_contribution_bytes([(7520, 32), (0, 0), (7520, 30), (3760, 1)])
     assert found == pytest.approx((7520 + 7520 + 3760) / 3)
     assert bench.mean_contribution_bytes([(0, 0)]) is None
 
 
-def test_step_bytes_sum_the_contributions_each_step_applied(bench: ModuleType) -> None:
+def test_step_bytes_sum_the_contributions_each_step_applied() -> None:
     grad_bytes = {"a:1": 100, "b:1": 100, "a:2": 100, "b:2": 0}
     assert bench.step_bytes([["a:1", "b:1"], ["a:2", "b:2"], ["c:9"]], grad_bytes) == [200, 100, 0]
 
 
-def test_ratios_and_medians_skip_what_is_missing(bench: ModuleType) -> None:
+def test_ratios_and_medians_skip_what_is_missing() -> None:
     assert bench.ratio(3.0, 2.0) == 1.5
     assert bench.ratio(None, 2.0) is None and bench.ratio(1.0, 0.0) is None
     assert bench.median([3.0, None, 1.0, math.nan, 2.0]) == 2.0
     assert bench.median([None]) is None
 
 
-def test_accuracy_deltas_are_points_lost_per_repeat(bench: ModuleType) -> None:
+def test_accuracy_deltas_are_points_lost_per_repeat() -> None:
     deltas = bench.accuracy_deltas([0.95, 0.96, None], [0.90, 0.97, 0.5])
     assert deltas == pytest.approx([5.0, -1.0])
 
 
-def test_topk_at_one_percent_with_bf16_values_and_int32_indices_saves_at_most_66x(
-    bench: ModuleType,
-) -> None:
+def test_topk_at_one_percent_with_bf16_values_and_int32_indices_saves_at_most_66x() -> None:
     assert bench.max_topk_reduction(0.01) == pytest.approx(400 / 6)
     assert bench.max_topk_reduction(0.01, value_bytes=4) == pytest.approx(50.0)
     # digits small_cnn: 93962 parameters in 2 slices of 46981; k = ceil(469.81) = 470 each.
@@ -74,7 +65,7 @@ def test_topk_at_one_percent_with_bf16_values_and_int32_indices_saves_at_most_66
     assert bench.ratio(dense, topk) == pytest.approx(66.64, abs=0.01)
 
 
-def test_the_json_ends_with_the_three_headline_figures(bench: ModuleType) -> None:
+def test_the_json_ends_with_the_three_headline_figures() -> None:
     result = bench.result_json(
         extras={"step_vs_local": 6.12345, "step_vs_ddp_gloo": 99.0, "x": math.nan},
         step_vs_ddp=2.28761,

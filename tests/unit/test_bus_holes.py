@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conveyor.libs.bus.holes import HoleGuard
+from conveyor.platform.bus.holes import HoleGuard
 
 TP = ("grads", 0)
 

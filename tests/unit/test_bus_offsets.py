@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.libs.bus.metrics import topic_kind
-from conveyor.libs.bus.offsets import InFlight, PartitionOffsets
-from conveyor.libs.messages import Topics
+from conveyor.platform.bus.metrics import topic_kind
+from conveyor.platform.bus.offsets import InFlight, PartitionOffsets
+from conveyor.platform.messages import Topics
 
 
 def test_commit_point_is_the_contiguous_acked_prefix() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conveyor.cli import app
+from conveyor.cli.main import app
 from conveyor.embedded import registry, stack
 from conveyor.embedded.health import HealthError
 from conveyor.embedded.procs import ProcessInfo, is_alive, start_ticks

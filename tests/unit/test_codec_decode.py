@@ -26,8 +26,8 @@ from codec_cases import (
     sample,
 )
 
-from conveyor.libs import codec
-from conveyor.libs.codec import (
+from conveyor.platform import codec
+from conveyor.platform.codec import (
     PREFIX_BYTES,
     CodecError,
     CodecLimits,
@@ -38,7 +38,7 @@ from conveyor.libs.codec import (
     decode,
     encode,
 )
-from conveyor.libs.messages import Batch, Message, ShardTask, message
+from conveyor.platform.messages import Batch, Message, ShardTask, message
 
 # ------------------------------------------------------------------------- decode rejects
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from codec_cases import One, Plain, Sample, sample
 
-from conveyor.libs.codec import (
+from conveyor.platform.codec import (
     CodecLimits,
     MalformedMessage,
     MessageTooLarge,
@@ -17,7 +17,7 @@ from conveyor.libs.codec import (
     decode,
     encode,
 )
-from conveyor.libs.messages import Message
+from conveyor.platform.messages import Message
 
 # ---------------------------------------------------------------------------------- limits
 

@@ -25,8 +25,8 @@ from codec_cases import (
     sample,
 )
 
-from conveyor.libs.codec import ALIGN_BYTES, DTYPES, PREFIX_BYTES, decode, encode
-from conveyor.libs.messages import Batch, DeadLetter, Heartbeat, JobEvent, Message, ShardTask
+from conveyor.platform.codec import ALIGN_BYTES, DTYPES, PREFIX_BYTES, decode, encode
+from conveyor.platform.messages import Batch, DeadLetter, Heartbeat, JobEvent, Message, ShardTask
 
 # ------------------------------------------------------------------------------ round trips
 
@@ -219,8 +219,8 @@ def test_decoding_bytes_raises_no_warning() -> None:
     # torch warns once per process about read-only buffers: check in a fresh one, where any
     # warning is an error.
     script = (
-        "import torch; from conveyor.libs.codec import decode, encode; "
-        "from conveyor.libs.messages import Batch; "
+        "import torch; from conveyor.platform.codec import decode, encode; "
+        "from conveyor.platform.messages import Batch; "
         "x = torch.zeros(1, 1, 2, 2, dtype=torch.uint8); y = torch.zeros(1, dtype=torch.int64); "
         "b = Batch(job_id='j', batch_id='b', shard_id='s', epoch=0, split='train', "
         "sample_ids=[0], x=x, y=y, timestamps={}); "

@@ -351,8 +351,10 @@ def test_dockerfile_builds_a_non_root_conveyor_image() -> None:
     assert lines[-2:] == ['ENTRYPOINT ["conveyor"]', 'CMD ["--help"]']
     assert any(line.startswith("RUN pip install .") for line in lines)
     copied = [src for line in lines if line.startswith("COPY ") for src in line.split()[1:-1]]
-    assert copied == ["pyproject.toml", "README.md", "conveyor"]
+    assert copied == ["pyproject.toml", "README.md", "libs", "services", "cli"]
     for source in copied:
         assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
     ignore = (ROOT / "infra" / "Dockerfile.dockerignore").read_text().split()
-    assert ignore[ignore.index("*") + 1 :][:3] == ["!pyproject.toml", "!README.md", "!conveyor/"]
+    assert ignore[ignore.index("*") + 1 :][:5] == [
+        "!pyproject.toml", "!README.md", "!libs/", "!services/", "!cli/",
+    ]  # fmt: skip

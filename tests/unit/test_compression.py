@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.libs.compression import (
+from conveyor.training.compression import (
     CompressionError,
     TopKFeedback,
     decode_slice,

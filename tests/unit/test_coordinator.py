@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import Contribution, EvalResult, Heartbeat, Rejection, StepClose
+from conveyor.platform.messages import Contribution, EvalResult, Heartbeat, Rejection, StepClose
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig, Decisions
 from conveyor.services.aggregator.membership import allocate
+from conveyor.training.jobspec import JobSpec
 
 JOB = "job1"
 T0 = 1_000.0
@@ -448,7 +448,7 @@ def test_a_close_folded_as_published_is_not_folded_again_when_read_back(
 
 def decodes_to_equal(close: StepClose) -> StepClose:
     """``close`` as a reader gets it from the log: encoded and decoded (a new, equal object)."""
-    from conveyor.libs.codec import decode, encode
+    from conveyor.platform.codec import decode, encode
 
     copy = decode(encode(close))
     assert isinstance(copy, StepClose) and copy is not close and copy == close

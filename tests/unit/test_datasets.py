@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conveyor.libs.datasets import (
+from conveyor.training.datasets import (
     DatasetError,
     NpzDataset,
     known_schemes,
@@ -448,9 +448,9 @@ def test_pack_source_from_npz_npy_and_idx(tmp_path: Path) -> None:
 
 
 def test_storage_failures_map_to_dataset_errors() -> None:
-    from conveyor.libs.datasets import DatasetUnavailable
-    from conveyor.libs.datasets.location import read_object
-    from conveyor.libs.storage import StorageError, StorageUnavailable
+    from conveyor.platform.storage import StorageError, StorageUnavailable
+    from conveyor.training.datasets import DatasetUnavailable
+    from conveyor.training.datasets.location import read_object
 
     class FailingStore:
         def __init__(self, error: Exception) -> None:

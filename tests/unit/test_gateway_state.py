@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from conveyor.libs.jobview import JobsView, percentile
-from conveyor.libs.messages import JobEvent
+from conveyor.platform.messages import JobEvent
+from conveyor.training.jobview import JobsView, percentile
 
 SPEC: dict[str, Any] = {"name": "digits-cnn", "training": {"epochs": 3, "max_steps": None}}
 

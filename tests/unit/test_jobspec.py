@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from conveyor.libs.jobspec import JobSpec
+from conveyor.training.jobspec import JobSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from conveyor.libs.messages import (
+from conveyor.platform.messages import (
     Batch,
     DeadLetter,
     FieldKind,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from conveyor.libs.datasets import open_dataset
-from conveyor.libs.models import build_model, list_models, model_options
+from conveyor.training.datasets import open_dataset
+from conveyor.training.models import build_model, list_models, model_options
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from conveyor.libs.jobspec import LrScheduleSpec, OptimizerSpec
-from conveyor.libs.models import build_model
-from conveyor.libs.optim import SliceOptimizer, build_optimizer, lr_at, staleness_momentum
-from conveyor.libs.slicing import ParamLayout
+from conveyor.training.jobspec import LrScheduleSpec, OptimizerSpec
+from conveyor.training.models import build_model
+from conveyor.training.optim import SliceOptimizer, build_optimizer, lr_at, staleness_momentum
+from conveyor.training.slicing import ParamLayout
 
 
 @pytest.mark.parametrize(

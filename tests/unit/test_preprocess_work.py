@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.libs.codec import decode, encode
-from conveyor.libs.config import StorageSettings
-from conveyor.libs.datasets import DatasetError, open_dataset
-from conveyor.libs.messages import Batch, ShardTask
+from conveyor.platform.codec import decode, encode
+from conveyor.platform.config import StorageSettings
+from conveyor.platform.messages import Batch, ShardTask
 from conveyor.services.preprocessor.runtime import BusyMeter, DatasetCache
 from conveyor.services.preprocessor.work import (
     augmenter_for,
@@ -20,6 +19,7 @@ from conveyor.services.preprocessor.work import (
     process_shard,
     read_shard,
 )
+from conveyor.training.datasets import DatasetError, open_dataset
 
 DIGITS = "builtin://sklearn-digits"
 SYNTHETIC = "synthetic://?n=500&shape=3x16x16&classes=4&seed=1"

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conveyor.libs.routing import choose_partition, parse_routing, partition_weights
+from conveyor.training.routing import choose_partition, parse_routing, partition_weights
 
 
 def test_weights_split_each_member_rate_over_its_partitions() -> None:
@@ -68,7 +68,7 @@ def test_choice_is_deterministic_across_processes() -> None:
     assert here == [choose_partition(batch_id, weights) for batch_id in ids]
     # Another interpreter (its own str hash seed) picks the same partitions.
     code = (
-        "from conveyor.libs.routing import choose_partition;"
+        "from conveyor.training.routing import choose_partition;"
         f"print([choose_partition(b, {weights!r}) for b in {ids!r}])"
     )
     result = subprocess.run(

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from opentelemetry.context import Context
 
-from conveyor.libs.bus import Received
-from conveyor.libs.bus.offsets import PartitionOffsets
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.messages import JobEvent, Topics
-from conveyor.libs.plan import JobPlan, epoch_order, split_ids
+from conveyor.platform.bus import Received
+from conveyor.platform.bus.offsets import PartitionOffsets
+from conveyor.platform.messages import JobEvent, Topics
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.services.sharder.jobs import JobTable, consumed_batches
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.plan import JobPlan, epoch_order, split_ids
 
 
 def make_plan(**overrides: object) -> JobPlan:

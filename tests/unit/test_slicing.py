@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.libs.jobspec import JobSpec
-from conveyor.libs.models import build_model
-from conveyor.libs.slicing import ParamLayout, build_job_model, check_no_buffers, slice_bounds
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.models import build_model
+from conveyor.training.slicing import ParamLayout, build_job_model, check_no_buffers, slice_bounds
 
 SPEC = {
     "name": "s",

@@ -3,19 +3,12 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
-import pytest
 import torch
-from loadtest_modules import load_loadtest
+
+from loadtests import ssp_momentum as simulation
 
 
-@pytest.fixture(scope="module")
-def simulation() -> ModuleType:
-    return load_loadtest("ssp_momentum")
-
-
-def test_damped_momentum_learns_where_undamped_stays_at_chance(simulation: ModuleType) -> None:
+def test_damped_momentum_learns_where_undamped_stays_at_chance() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # bit-reproducible sums
     try:

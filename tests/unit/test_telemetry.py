@@ -1,4 +1,4 @@
-"""Logging format, tracing setup and metric helpers of conveyor.libs.telemetry."""
+"""Logging format, tracing setup and metric helpers of conveyor.platform.telemetry."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from opentelemetry.util._once import Once
 from otlp_receiver import OtlpReceiver
 from prometheus_client import REGISTRY, Counter, Histogram
 
-from conveyor.libs.config import TelemetrySettings
-from conveyor.libs.telemetry import (
+from conveyor.platform.config import TelemetrySettings
+from conveyor.platform.telemetry import (
     LATENCY_BUCKETS_S,
     counter,
     gauge,

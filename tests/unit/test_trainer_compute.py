@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from conveyor.libs.compression import decode_slice
-from conveyor.libs.jobspec import CompressionSpec, NormalizeSpec, ResourcesSpec
-from conveyor.libs.models import build_model
-from conveyor.libs.slicing import ParamLayout
 from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
 from conveyor.services.trainer.gradients import SliceEncoder
+from conveyor.training.compression import decode_slice
+from conveyor.training.jobspec import CompressionSpec, NormalizeSpec, ResourcesSpec
+from conveyor.training.models import build_model
+from conveyor.training.slicing import ParamLayout
 
 CPU = torch.device("cpu")
 

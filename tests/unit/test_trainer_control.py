@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from conveyor.libs.bus import Tailed
-from conveyor.libs.messages import (
+from conveyor.platform.bus import Tailed
+from conveyor.platform.messages import (
     Contribution,
     EvalResult,
     Heartbeat,

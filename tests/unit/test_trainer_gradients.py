@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from conveyor.libs.compression import decode_slice
-from conveyor.libs.jobspec import CompressionSpec, JobSpec
-from conveyor.libs.optim import aggregator_optimizer, momentum_correction
-from conveyor.libs.slicing import slice_bounds
 from conveyor.services.trainer.gradients import EncodedGrad, SliceEncoder
+from conveyor.training.compression import decode_slice
+from conveyor.training.jobspec import CompressionSpec, JobSpec
+from conveyor.training.optim import aggregator_optimizer, momentum_correction
+from conveyor.training.slicing import slice_bounds
 
 N = 40
 BOUNDS = slice_bounds(N, 2)  # [0, 20) and [20, 40)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from conveyor.libs.messages import Heartbeat, JobEvent, Message
+from conveyor.platform.messages import Heartbeat, JobEvent, Message
 from conveyor.services.trainer.reporting import Reporter
 
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from conveyor.libs.jobview import JobView
-from conveyor.libs.messages import Topics
+from conveyor.platform.messages import Topics
 from conveyor.services.trainer.config import TrainerSettings, group_id
 from conveyor.services.trainer.jobwatch import JobPlan
 from conveyor.services.trainer.session import JobFailed, prepare_job
 from conveyor.services.trainer.tally import TrainerTally
+from conveyor.training.jobview import JobView
 
 TOPICS = Topics("c.")
 

@@ -19,11 +19,10 @@ import pytest
 import torch
 from opentelemetry.context import Context
 
-from conveyor.libs.bus import Received, Tailed
-from conveyor.libs.bus.offsets import PartitionOffsets
-from conveyor.libs.config import KafkaSettings
-from conveyor.libs.jobview import JobView
-from conveyor.libs.messages import (
+from conveyor.platform.bus import Received, Tailed
+from conveyor.platform.bus.offsets import PartitionOffsets
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import (
     Batch,
     Contribution,
     GradSlice,
@@ -38,6 +37,7 @@ from conveyor.services.trainer.input import DeviceCopier, Prefetcher
 from conveyor.services.trainer.metrics import TrainerMetrics
 from conveyor.services.trainer.runner import JobRunner
 from conveyor.services.trainer.session import prepare_job
+from conveyor.training.jobview import JobView
 
 pytestmark = pytest.mark.timeout(60)
 

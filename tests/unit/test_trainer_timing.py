@@ -9,9 +9,9 @@ import pytest
 import torch
 from opentelemetry.context import Context
 
-from conveyor.libs.bus import Received
-from conveyor.libs.bus.offsets import PartitionOffsets
-from conveyor.libs.messages import Batch
+from conveyor.platform.bus import Received
+from conveyor.platform.bus.offsets import PartitionOffsets
+from conveyor.platform.messages import Batch
 from conveyor.services.trainer.input import DeviceCopier, Prefetcher
 from conveyor.services.trainer.timing import (
     STEP_PARTS,

@@ -1,6 +1,0 @@
-"""``python -m conveyor``: the same command line as the ``conveyor`` script."""
-
-from conveyor.cli import main
-
-if __name__ == "__main__":
-    main()

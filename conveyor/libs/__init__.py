@@ -1,1 +1,0 @@
-"""Library code shared by two or more services."""

@@ -1,0 +1,94 @@
+"""Consumer-group plumbing under :class:`~conveyor.platform.bus.consumer.Consumer` that reaches into
+aiokafka: the rebalance callbacks, leaving the group on stop (which aiokafka skips on Tansu),
+and the fetch position read without awaiting."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError, RebalanceInProgressError
+from aiokafka.protocol.group import HeartbeatRequest, LeaveGroupRequest
+
+if TYPE_CHECKING:
+    from conveyor.platform.bus.consumer import Consumer
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 1.0
+"""Longest the heartbeat before a LeaveGroup may take."""
+
+
+class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Commits acked offsets before partitions move, and resets bookkeeping after."""
+
+    def __init__(self, owner: Consumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._owner._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._owner._on_assigned(set(assigned))
+
+
+async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
+    """Stop ``consumer`` and leave the group, so that its partitions move at once, unless
+    another member is joining right now.
+
+    aiokafka sends LeaveGroup only when the generation is > 0, but Tansu numbers a group's
+    first generation 0; its members would hold their partitions until their session timed
+    out. For that case the request is sent here (aiokafka 0.14 internals; the version is
+    pinned), after the coordinator stopped heartbeating and before the connection closes.
+
+    Tansu 0.6 wedges a group for good when its generation-0 leader leaves while another
+    member's JoinGroup is pending: every later join names the departed member as leader and
+    every SyncGroup fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator
+    stopped while a second one joined hung its job). So a heartbeat goes first; when it says
+    the group is rebalancing, no LeaveGroup goes out and the broker drops this member after
+    its session timeout instead, which Tansu handles. Later generations keep aiokafka's own
+    LeaveGroup: skipping it there would hold the other members' joins for a session timeout
+    (and their own stops with them), and no wedge was seen past generation 0.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    member_id = getattr(coordinator, "member_id", "")
+    if coordinator is not None and getattr(coordinator, "generation", -1) == 0 and member_id:
+        rebalancing = await _rebalancing(coordinator, group_id, member_id)
+        if rebalancing:
+            logger.info(
+                "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
+                group_id,
+            )
+            coordinator.generation = -1  # what a member that never joined has: no LeaveGroup
+        await coordinator.close()  # idempotent: consumer.stop() calls it again
+        if not rebalancing:
+            try:
+                await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
+            except KafkaError as exc:
+                logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
+    await consumer.stop()
+
+
+async def _rebalancing(coordinator: Any, group_id: str, member_id: str) -> bool:
+    """Whether the group coordinator answers a heartbeat with REBALANCE_IN_PROGRESS, or not
+    within :data:`PROBE_TIMEOUT_S` (Tansu can hold it during a join: assume the worst)."""
+    request = HeartbeatRequest(group_id, 0, member_id)
+    try:
+        response = await asyncio.wait_for(coordinator._send_req(request), PROBE_TIMEOUT_S)
+    except TimeoutError:
+        return True
+    except KafkaError:
+        return False  # no coordinator to wedge
+    return bool(response.error_code == RebalanceInProgressError.errno)
+
+
+def fetch_position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
+    # aiokafka only exposes the position as a coroutine (it may wait for a reset); the lag
+    # gauge is read synchronously at scrape time, so read the known position, if any.
+    try:
+        state = consumer._subscription.subscription.assignment.state_value(tp)
+    except (AttributeError, KeyError):
+        return None
+    return state.position if state.has_valid_position else None

@@ -1,0 +1,85 @@
+"""Holes in a partition's offsets: deliver up to the hole, read it again until it fills.
+
+The embedded broker (Tansu 0.6) can answer a fetch with offset n+1 while offset n, appended at
+the same moment by another producer, is not readable yet. The client's position then moves
+past n and n is never delivered: a sync step waited forever for the gradient slice at n, which
+a fresh reader found on the log. A non-transactional, non-compacted topic on Apache Kafka has
+no holes. So the readers of the bus (:class:`~conveyor.platform.bus.Consumer`,
+:class:`~conveyor.platform.bus.TopicTail`) pass every fetched batch through :class:`HoleGuard`:
+records before a hole are delivered, the reader seeks back to the hole and fetches again; a
+hole still open after ``hold_s`` is accepted (a compacted or transactional topic has real
+ones) and logged.
+
+Pure bookkeeping, no I/O; the caller seeks and waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Protocol, TypeVar
+
+logger = logging.getLogger(__name__)
+
+HOLE_RETRY_S = 0.005
+"""How long a reader waits before fetching a hole again."""
+
+
+class _Record(Protocol):
+    @property
+    def offset(self) -> int: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+class HoleGuard:
+    """Per partition, the offset the next fetched record should have (see the module
+    docstring). ``hold_s``: how long a hole is read again before it is accepted."""
+
+    __slots__ = ("_expected", "_opened", "hold_s")
+
+    def __init__(self, hold_s: float = 5.0) -> None:
+        if hold_s < 0:
+            raise ValueError(f"hold_s must be >= 0, got {hold_s}")
+        self.hold_s = hold_s
+        self._expected: dict[Hashable, int] = {}
+        """Partition -> offset of the next record to deliver (unknown until its first)."""
+        self._opened: dict[Hashable, tuple[int, float]] = {}
+        """Partition -> (offset of the open hole, when it was first met)."""
+
+    def forget(self, partition: Hashable) -> None:
+        """The reader was positioned anew (assignment, seek): start from its next record."""
+        self._expected.pop(partition, None)
+        self._opened.pop(partition, None)
+
+    def admit(
+        self, partition: Hashable, records: Sequence[R], now_s: float
+    ) -> tuple[list[R], int | None]:
+        """Of ``records`` (one fetch of ``partition``, in offset order): those to deliver, and
+        the offset to seek back to (None: no open hole). Records before the expected offset
+        were delivered already and are dropped."""
+        expected = self._expected.get(partition)
+        admitted: list[R] = []
+        for record in records:
+            offset = record.offset
+            if expected is not None and offset < expected:
+                continue
+            if expected is not None and offset > expected:
+                hole, since = self._opened.get(partition, (expected, now_s))
+                if hole != expected:
+                    since = now_s
+                if now_s - since < self.hold_s:
+                    self._opened[partition] = (expected, since)
+                    self._expected[partition] = expected
+                    return admitted, expected
+                logger.warning(
+                    "partition %s: offsets %d..%d still missing after %.1f s; reading on",
+                    partition, expected, offset - 1, now_s - since,
+                )  # fmt: skip
+            admitted.append(record)
+            expected = offset + 1
+        if expected is not None:
+            self._expected[partition] = expected
+        self._opened.pop(partition, None)
+        return admitted, None

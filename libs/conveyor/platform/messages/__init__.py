@@ -1,0 +1,82 @@
+"""Message schemas and topic names: the wire contract between Conveyor's services.
+
+A schema is a ``@dataclass(kw_only=True, slots=True)`` subclass of :class:`Message`,
+registered under its wire name and schema version::
+
+    @message("Example", version=1)
+    @dataclass(kw_only=True, slots=True)
+    class Example(Message):
+        \"\"\"What it means, who sends it, on which topic.\"\"\"
+
+        job_id: str
+        \"\"\"Id of the job.\"\"\"
+        x: Tensor
+        \"\"\"uint8 [B, C, H, W] images.\"\"\"
+
+Field types allowed: ``None``, ``bool``, ``int``, ``float`` (an ``int`` is accepted too),
+``str``, ``bytes``, ``list[...]``, ``dict[str, ...]`` (nested of those), ``Any`` (a plain value
+of those types), a union of those with ``None``, and ``torch.Tensor`` either as a whole field
+or as the values of a ``dict[str, Tensor]`` field. Registration turns each annotation into a
+:class:`FieldSpec` that the codec (:mod:`conveyor.platform.codec`) checks values against, so
+annotations must resolve at import time (import ``Tensor`` for real, not under
+``TYPE_CHECKING``). Changing a schema's fields means a new version number.
+
+The package keeps the whole wire contract in one place: the registry
+(:mod:`~conveyor.platform.messages.registry`), the topic names
+(:mod:`~conveyor.platform.messages.topics`) and the schemas, grouped by plane
+(:mod:`~conveyor.platform.messages.jobs`, :mod:`~conveyor.platform.messages.gradient_plane`). Import
+from the package itself: importing it registers every schema.
+"""
+
+from conveyor.platform.messages.registry import (
+    ENVELOPE_KEYS,
+    FieldKind,
+    FieldSpec,
+    Message,
+    MessageSchema,
+    message,
+    registered_messages,
+    schema_for,
+)
+from conveyor.platform.messages.topics import SPLITS, Topics, batch_id_for, shard_id_for
+
+# isort: split
+# The schema modules register their schemas when imported, in this order (the order of
+# registered_messages()).
+from conveyor.platform.messages.jobs import Batch, DeadLetter, Heartbeat, JobEvent, ShardTask
+
+# isort: split
+from conveyor.platform.messages.gradient_plane import (
+    Contribution,
+    EvalResult,
+    GradSlice,
+    ParamSlice,
+    Rejection,
+    StepClose,
+)
+
+__all__ = [
+    "ENVELOPE_KEYS",
+    "SPLITS",
+    "Batch",
+    "Contribution",
+    "DeadLetter",
+    "EvalResult",
+    "FieldKind",
+    "FieldSpec",
+    "GradSlice",
+    "Heartbeat",
+    "JobEvent",
+    "Message",
+    "MessageSchema",
+    "ParamSlice",
+    "Rejection",
+    "ShardTask",
+    "StepClose",
+    "Topics",
+    "batch_id_for",
+    "message",
+    "registered_messages",
+    "schema_for",
+    "shard_id_for",
+]

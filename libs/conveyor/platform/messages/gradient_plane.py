@@ -1,0 +1,168 @@
+"""Schemas of the gradient plane (trainers <-> aggregator shards).
+
+Versions: the model's parameters at version v are what every trainer computes on; version v+1
+results from applying the contributions listed in the StepClose of version v+1. Version 0 is
+the seeded initialisation. Slice p of the flattened fp32 parameter vector lives on partition p
+of the grads and params topics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from conveyor.platform.messages.registry import Message, message
+
+
+@message("GradSlice", version=1)
+@dataclass(kw_only=True, slots=True)
+class GradSlice(Message):
+    """One slice of one contribution's gradient, on partition ``slice_index`` of
+    ``Topics.grads(job_id)`` (key: the slice index).
+
+    The gradient is that of the SUM of the per-sample losses over the contribution's samples
+    (not the mean), so combining contributions is a plain sum divided by the total samples.
+    """
+
+    job_id: str
+    """Id of the job."""
+    contribution_id: str
+    """``f"{worker_id}:{sequence}"``, unique per contribution; the same for all its slices."""
+    worker_id: str
+    """Trainer that computed it."""
+    base_version: int
+    """Parameter version the gradient was computed on."""
+    slice_index: int
+    """Which slice (0..K-1) of the flattened parameters."""
+    numel: int
+    """Number of elements of the dense slice."""
+    encoding: str
+    """``dense`` (float32 values), ``fp16``/``bf16`` (values in that dtype) or ``topk``
+    (values float32 at ``indices``; every other element is zero)."""
+    values: Tensor
+    """[numel] for dense/fp16/bf16, [k] for topk."""
+    indices: Tensor
+    """int32 [k] positions within the slice for ``topk``; empty for the other encodings."""
+    sent_at: float
+    """Unix seconds."""
+
+
+@message("Contribution", version=1)
+@dataclass(kw_only=True, slots=True)
+class Contribution(Message):
+    """Sent by a trainer on ``Topics.control(job_id)`` after ALL of its GradSlices were
+    acknowledged: from then on every aggregator shard can apply it. May be empty
+    (``num_samples == 0``) when the trainer had no batch for the step (sync mode)."""
+
+    job_id: str
+    """Id of the job."""
+    contribution_id: str
+    """Same id as its GradSlices."""
+    worker_id: str
+    """Trainer that computed it."""
+    base_version: int
+    """Parameter version the gradient was computed on."""
+    num_samples: int
+    """Samples the gradient sums over (its weight)."""
+    batch_ids: list[str]
+    """Batches it consumed; a batch id is applied at most once per job."""
+    loss_sum: float
+    """Sum of the per-sample training losses."""
+    grad_bytes: int
+    """Bytes of gradient payload sent for it (all slices), for the wire-bytes report."""
+    sent_at: float
+    """Unix seconds."""
+
+
+@message("StepClose", version=2)
+@dataclass(kw_only=True, slots=True)
+class StepClose(Message):
+    """The coordinator's decision, on ``Topics.control(job_id)``: version ``version`` is the
+    previous one plus exactly these contributions. Every shard applies it to its slice and
+    publishes its ParamSlice of ``version``; trainers learn from it which batches are applied
+    (commit them, skip redeliveries) and their next micro-batch allocation."""
+
+    job_id: str
+    """Id of the job."""
+    version: int
+    """The new version (previous + 1)."""
+    contributions: list[dict[str, Any]]
+    """Each ``{contribution_id, worker_id, base_version, num_samples, staleness}``."""
+    batch_ids: list[str]
+    """Every batch applied in this step."""
+    num_samples: int
+    """Total samples of the step (the divisor of the summed gradient)."""
+    epoch: int
+    """Epoch the step's batches belong to."""
+    lr: float
+    """Learning rate used for this step (after warmup/decay)."""
+    allocation: dict[str, int]
+    """Micro-batches each live trainer should contribute to the next step (sync mode)."""
+    closed_at: float
+    """Unix seconds."""
+    momentum: float | None = None
+    """SGD momentum of this step; None: the job's. Bounded staleness damps it by the
+    staleness of the step's gradient (:func:`conveyor.training.optim.staleness_momentum`).
+    Added in version 2."""
+
+
+@message("Rejection", version=1)
+@dataclass(kw_only=True, slots=True)
+class Rejection(Message):
+    """Bounded-staleness mode: a contribution was too stale (``current - base > s``) and was
+    not applied; the trainer recomputes its batches on newer parameters."""
+
+    job_id: str
+    """Id of the job."""
+    contribution_id: str
+    """The rejected contribution."""
+    worker_id: str
+    """Its trainer."""
+    current_version: int
+    """Version at the time of the decision."""
+    reason: str
+    """Why, for logs."""
+
+
+@message("ParamSlice", version=1)
+@dataclass(kw_only=True, slots=True)
+class ParamSlice(Message):
+    """Slice ``slice_index`` of the parameters at ``version``, on partition ``slice_index`` of
+    ``Topics.params(job_id)`` (key: the slice index)."""
+
+    job_id: str
+    """Id of the job."""
+    slice_index: int
+    """Which slice (0..K-1)."""
+    version: int
+    """Parameter version."""
+    values: Tensor
+    """float32 [numel] parameters of the slice."""
+    published_at: float
+    """Unix seconds."""
+
+
+@message("EvalResult", version=1)
+@dataclass(kw_only=True, slots=True)
+class EvalResult(Message):
+    """A trainer's evaluation of some eval batches of ``epoch`` with the parameters at the end
+    of that epoch (``version``), on ``Topics.control(job_id)``; the coordinator sums them."""
+
+    job_id: str
+    """Id of the job."""
+    worker_id: str
+    """Trainer that evaluated."""
+    epoch: int
+    """Epoch whose end-of-epoch parameters were used."""
+    version: int
+    """That parameter version."""
+    batch_ids: list[str]
+    """Eval batches covered (each counted once by the coordinator)."""
+    loss_sum: float
+    """Sum of per-sample losses."""
+    correct: int
+    """Correct predictions."""
+    num_samples: int
+    """Samples evaluated."""

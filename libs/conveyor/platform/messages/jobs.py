@@ -1,0 +1,153 @@
+"""Schemas of the job and data plane: job lifecycle events, shard tasks for the
+preprocessors, ready batches for the trainers, workers' heartbeats and dead letters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from conveyor.platform.messages.registry import Message, message
+from conveyor.platform.messages.topics import SPLITS
+
+
+@message("DeadLetter", version=1)
+@dataclass(kw_only=True, slots=True)
+class DeadLetter(Message):
+    """A record a consumer could not decode or validate, parked on ``Topics.dlq``."""
+
+    source_topic: str
+    """Topic the record was read from."""
+    partition: int
+    """Partition it was read from."""
+    offset: int
+    """Its offset in that partition."""
+    key: bytes | None
+    """Its Kafka key."""
+    reason: str
+    """Why it failed (the codec error's text)."""
+    payload: bytes
+    """The record value as received (the sender may cut it to fit the size limits)."""
+    failed_at: float
+    """When it failed, unix time in seconds."""
+
+
+@message("JobEvent", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobEvent(Message):
+    """One step in a job's life on ``Topics.jobs``; the job state is the fold of its events."""
+
+    job_id: str
+    """Id of the job."""
+    event: str
+    """What happened (``submitted``, ``running``, ``failed``, ...)."""
+    at: float
+    """When it happened, unix time in seconds."""
+    data: dict[str, Any]
+    """Event-specific details (the spec on submit, the reason on failure, ...)."""
+
+
+@message("ShardTask", version=2)
+@dataclass(kw_only=True, slots=True)
+class ShardTask(Message):
+    """Work for one preprocessor on ``Topics.shards``: turn a shard's samples into batches."""
+
+    job_id: str
+    """Id of the job."""
+    shard_id: str
+    """Deterministic id of the shard within the job and epoch."""
+    epoch: int
+    """Epoch number, from 0."""
+    index: int
+    """Position of the shard in the epoch's order, from 0."""
+    split: str
+    """``"train"`` or ``"eval"``."""
+    dataset_uri: str
+    """Where the samples are (``builtin://``, ``synthetic://``, ``npz://``, ``mnist-idx://``)."""
+    sample_ids: list[int]
+    """Ids of the shard's samples, in the order they are batched."""
+    micro_batch_size: int
+    """Samples per batch (the last batch of the shard may be smaller)."""
+    seed: int
+    """Job seed; augmentation randomness derives from (seed, epoch, sample id)."""
+    preprocess: dict[str, Any]
+    """The job spec's preprocess section."""
+    released_at: float = 0.0
+    """When the sharder released the task, unix time in seconds (0.0: not released by a
+    sharder); becomes the ``released`` timestamp of the shard's batches."""
+    routing: list[float] = dataclasses.field(default_factory=list)
+    """One weight per partition of the job's batches topic (>= 0, positive sum): each batch
+    goes to the partition :func:`conveyor.training.routing.choose_partition` picks from its id.
+    Empty: unweighted (the key's hash picks). Added in version 2."""
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.routing and not (
+            all(math.isfinite(w) and w >= 0 for w in self.routing) and sum(self.routing) > 0
+        ):
+            raise ValueError(f"routing weights must be finite, >= 0 with a positive sum, "
+                             f"got {self.routing!r}")  # fmt: skip
+
+
+@message("Batch", version=1)
+@dataclass(kw_only=True, slots=True)
+class Batch(Message):
+    """A ready micro-batch on ``Topics.batches(job_id)``; images stay uint8 until the device."""
+
+    job_id: str
+    """Id of the job."""
+    batch_id: str
+    """Deterministic id (from shard id and position), the dedup key downstream."""
+    shard_id: str
+    """Shard the samples came from."""
+    epoch: int
+    """Epoch number, from 0."""
+    split: str
+    """``"train"`` or ``"eval"``."""
+    sample_ids: list[int]
+    """Ids of the B samples, in row order."""
+    x: Tensor
+    """uint8 [B, C, H, W] images, augmented, not normalised."""
+    y: Tensor
+    """int64 [B] class labels."""
+    timestamps: dict[str, float]
+    """Stage name -> unix time in seconds: ``released`` (sharder), ``read_start``,
+    ``read_end``, ``augment_end``, ``sent`` (preprocessor), then the trainer's stages."""
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        # Runs on every decoded batch: each tensor attribute is read once (they are not free).
+        x, y = self.x, self.y
+        x_shape, y_shape = x.shape, y.shape
+        if x.dtype is not torch.uint8 or len(x_shape) != 4:
+            raise ValueError(f"x must be uint8 [B,C,H,W], got {x.dtype} {list(x_shape)}")
+        rows = x_shape[0]
+        if y.dtype is not torch.int64 or y_shape != (rows,):
+            raise ValueError(f"y must be int64 [B], got {y.dtype} {list(y_shape)}")
+        if len(self.sample_ids) != rows:
+            raise ValueError(f"{len(self.sample_ids)} sample_ids for {rows} rows")
+
+
+@message("Heartbeat", version=1)
+@dataclass(kw_only=True, slots=True)
+class Heartbeat(Message):
+    """A worker's periodic sign of life and state on ``Topics.control(job_id)``."""
+
+    job_id: str
+    """Id of the job."""
+    worker_id: str
+    """Id of the worker process, stable for its lifetime."""
+    role: str
+    """``trainer``, ``preprocessor``, ``aggregator``, ..."""
+    at: float
+    """When it was sent, unix time in seconds."""
+    info: dict[str, Any]
+    """Role-specific state (throughput, step-time breakdown, GPU state, ...)."""

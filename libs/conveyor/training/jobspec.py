@@ -1,0 +1,355 @@
+"""The job spec: what a user submits to the gateway (DESIGN section 6).
+
+Pydantic v2 models, ``extra="forbid"`` everywhere except :class:`ModelSpec`,
+frozen, every limit stated once with ``Field``. Validation is pure (no I/O): a
+dataset URI is checked for its scheme only; whether it can be read is the
+sharder's job. Cross-field rules are field validators on the later field, so a
+422 points at the field to fix (``training.micro_batch_size``), not the model.
+
+Invalid input raises :class:`pydantic.ValidationError` (a ``ValueError``);
+:meth:`JobSpec.from_yaml` raises ``ValueError`` for unparsable YAML too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+DATASET_SCHEMES = frozenset({"builtin", "synthetic", "npz", "mnist-idx"})
+"""URI schemes a dataset may use; the datasets library resolves what follows ``://``."""
+
+CHECKPOINT_SCHEMES = frozenset({"file", "s3"})
+"""Object-store schemes a checkpoint location may use."""
+
+MAX_SEED = 2**63 - 1
+
+JsonScalar = str | int | float | bool | None
+ModelOption = JsonScalar | list[JsonScalar]
+
+
+class _Spec(BaseModel):
+    """Common config of every spec section: unknown keys are errors, values are final."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class ModelSpec(BaseModel):
+    """A model from the registry; no user code.
+
+    Every key other than ``name`` is a keyword argument of the registry's builder
+    (``{name: small_cnn, num_classes: 10}``), so a spec reads like the design's
+    example. Options must be JSON scalars or lists of them.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    """Registry name of the model (``small_cnn``, ``mlp``, ``resnet18``...)."""
+
+    __pydantic_extra__: dict[str, ModelOption] = Field(init=False)
+
+    @property
+    def options(self) -> dict[str, ModelOption]:
+        """Builder keyword arguments: every key but ``name``."""
+        return dict(self.model_extra or {})
+
+
+class DatasetSpec(_Spec):
+    uri: str = Field(min_length=1, max_length=1024)
+    """``builtin://sklearn-digits``, ``synthetic://...``, ``npz://<dir or s3 prefix>``,
+    ``mnist-idx://<dir>``."""
+    eval_fraction: float = Field(default=0.2, ge=0.0, le=0.5)
+    """Share of the samples held out for evaluation."""
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        scheme, sep, rest = uri.partition("://")
+        if not sep:
+            raise ValueError(f"dataset uri {uri!r} must look like <scheme>://<location>")
+        if scheme not in DATASET_SCHEMES:
+            known = ", ".join(sorted(DATASET_SCHEMES))
+            raise ValueError(f"unknown dataset scheme {scheme!r}; expected one of: {known}")
+        # Only synthetic:// has a meaningful empty location (every parameter defaulted).
+        if not rest and scheme != "synthetic":
+            raise ValueError(f"dataset uri {uri!r} names no location after {scheme}://")
+        return uri
+
+    @property
+    def scheme(self) -> str:
+        """The URI scheme (``builtin``, ``synthetic``, ``npz``, ``mnist-idx``)."""
+        return self.uri.partition("://")[0]
+
+
+class NormalizeSpec(_Spec):
+    mean: list[float] = Field(min_length=1, max_length=16)
+    """Per-channel mean of the [0, 1]-scaled image (one value broadcasts)."""
+    std: list[float] = Field(min_length=1, max_length=16)
+    """Per-channel standard deviation; every value > 0."""
+
+    @field_validator("std")
+    @classmethod
+    def _std_matches_mean(cls, std: list[float], info: ValidationInfo) -> list[float]:
+        if any(not value > 0 for value in std):
+            raise ValueError("every std value must be > 0")
+        mean = info.data.get("mean")
+        if mean is not None and len(mean) != len(std):
+            raise ValueError(f"std has {len(std)} values but mean has {len(mean)}")
+        return std
+
+
+class RandomCropSpec(_Spec):
+    """Pad by ``padding`` pixels on each side, then crop back at a random offset."""
+
+    name: Literal["random_crop"]
+    padding: int = Field(default=4, ge=0, le=64)
+
+
+class HFlipSpec(_Spec):
+    """Mirror horizontally with probability ``p``."""
+
+    name: Literal["hflip"]
+    p: float = Field(default=0.5, ge=0.0, le=1.0)
+
+
+class CpuCostSpec(_Spec):
+    """Burn ``ms`` of CPU per sample: stands in for expensive decoding in load tests."""
+
+    name: Literal["cpu_cost"]
+    ms: float = Field(default=1.0, ge=0.0, le=10_000.0)
+
+
+AugmentSpec = Annotated[RandomCropSpec | HFlipSpec | CpuCostSpec, Field(discriminator="name")]
+
+
+class PreprocessSpec(_Spec):
+    normalize: NormalizeSpec | None = None
+    """Applied on the trainer's device after the uint8 batch arrives; None = scale to [0, 1]."""
+    augment: list[AugmentSpec] = Field(default_factory=list, max_length=16)
+    """Applied in order by the preprocessors, seeded by (job seed, epoch, sample id)."""
+
+
+class OptimizerSpec(_Spec):
+    name: Literal["sgd", "adam", "adamw"]
+    """Element-wise optimizer run by the aggregator shards."""
+    lr: float = Field(gt=0.0, le=10.0)
+    """Learning rate."""
+    momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """SGD momentum (sgd only)."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """L2 penalty (sgd, adam) or decoupled decay (adamw)."""
+    nesterov: bool = Field(default=False, validate_default=True)
+    """Nesterov momentum (sgd with momentum > 0 only)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam/AdamW moving-average coefficients, each in [0, 1)."""
+    eps: float = Field(default=1e-8, gt=0.0, le=1.0)
+    """Adam/AdamW denominator term."""
+
+    @field_validator("nesterov")
+    @classmethod
+    def _sgd_only_options(cls, nesterov: bool, info: ValidationInfo) -> bool:
+        name, momentum = info.data.get("name"), info.data.get("momentum")
+        if name is not None and name != "sgd" and momentum:
+            raise ValueError(f"momentum applies to sgd only; {name} uses betas")
+        if nesterov and (name != "sgd" or not momentum):
+            raise ValueError("nesterov requires optimizer sgd with momentum > 0")
+        return nesterov
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError("each beta must be in [0, 1)")
+        return betas
+
+
+class LrScheduleSpec(_Spec):
+    """Learning rate per optimizer step: linear warmup, then constant, cosine or step decay
+    (see :func:`conveyor.training.optim.lr_at`)."""
+
+    name: Literal["constant", "cosine", "step"] = "constant"
+    """After warmup: keep ``lr``; cosine from ``lr`` to ``min_lr`` over the remaining steps;
+    or multiply by ``gamma`` every ``step_size`` steps."""
+    warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
+    """Steps of linear warmup from ``lr / warmup_steps`` up to ``lr``."""
+    step_size: int | None = Field(default=None, ge=1, le=10_000_000, validate_default=True)
+    """step: steps between two decays; required for step, only for step."""
+    gamma: float = Field(default=0.1, gt=0.0, le=1.0)
+    """step: decay factor."""
+    min_lr: float = Field(default=0.0, ge=0.0, le=10.0)
+    """Floor of the decayed learning rate (cosine ends there)."""
+
+    @field_validator("step_size")
+    @classmethod
+    def _step_size_only_for_step(cls, step_size: int | None, info: ValidationInfo) -> int | None:
+        name = info.data.get("name")
+        if name == "step" and step_size is None:
+            raise ValueError("step_size is required when name is step")
+        if name is not None and name != "step" and step_size is not None:
+            raise ValueError(f"step_size applies to name step only, not {name}")
+        return step_size
+
+
+class TrainingSpec(_Spec):
+    epochs: int = Field(ge=1, le=10_000)
+    global_batch_size: int = Field(ge=1, le=1_048_576)
+    """Samples per optimizer step, summed over all trainers."""
+    micro_batch_size: int = Field(ge=1, le=65_536)
+    """Samples per batch message; global_batch_size must be a multiple of it."""
+    optimizer: OptimizerSpec
+    lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
+    """Learning rate per step, computed by the aggregator's coordinator."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision of forward/backward (bf16 via autocast)."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Root of every random choice: shard order, augmentation, initial weights."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many optimizer steps even if epochs remain."""
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _divides_global(cls, micro: int, info: ValidationInfo) -> int:
+        global_batch = info.data.get("global_batch_size")
+        if global_batch is not None and global_batch % micro:
+            raise ValueError(
+                f"global_batch_size ({global_batch}) must be a multiple of "
+                f"micro_batch_size ({micro})"
+            )
+        return micro
+
+
+class CompressionSpec(_Spec):
+    kind: Literal["none", "fp16", "bf16", "topk"] = "none"
+    """How trainers encode gradient slices."""
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, validate_default=True)
+    """Share of gradient elements kept by topk; required for topk, only for topk."""
+    error_feedback: bool = True
+    """topk: keep the dropped residual locally and add it to the next gradient."""
+    momentum_correction: bool = True
+    """topk with error feedback and SGD momentum: the trainers keep the momentum and
+    accumulate it before selecting (DGC momentum correction), the aggregator's SGD runs
+    without it; no effect otherwise (see :func:`conveyor.training.optim.momentum_correction`)."""
+
+    @field_validator("ratio")
+    @classmethod
+    def _ratio_only_for_topk(cls, ratio: float | None, info: ValidationInfo) -> float | None:
+        kind = info.data.get("kind")
+        if kind == "topk" and ratio is None:
+            raise ValueError("ratio is required when kind is topk (e.g. 0.01)")
+        if kind is not None and kind != "topk" and ratio is not None:
+            raise ValueError(f"ratio applies to kind topk only, not {kind}")
+        return ratio
+
+
+class DistributionSpec(_Spec):
+    trainers: int = Field(default=1, ge=1, le=1024)
+    """Trainer processes the job wants."""
+    aggregator_shards: int = Field(default=1, ge=1, le=256)
+    """Parameter slices = partitions of the grads/params topics."""
+    mode: Literal["sync", "ssp"] = "sync"
+    """sync: every step waits for all members; ssp: bounded-staleness async."""
+    staleness: int = Field(default=2, ge=0, le=1000)
+    """ssp: a contribution computed on version v applies while current - v <= staleness."""
+    allocation: Literal["adaptive", "equal"] = "adaptive"
+    """adaptive: each trainer's micro-batches per step, and its share of the batches (the
+    routing of batches to partitions), follow its measured throughput; equal: the step is
+    split equally and batches are not routed (each trainer reads an equal share)."""
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+
+
+class CheckpointSpec(_Spec):
+    every_steps: int | None = Field(default=None, ge=1)
+    """Checkpoint every N optimizer steps; None = only at epoch and job end."""
+    every_s: float | None = Field(default=None, gt=0.0)
+    """Checkpoint at most this many seconds apart; None = no time trigger."""
+    keep_last: int = Field(default=3, ge=1, le=1000)
+    """Committed checkpoints kept; older ones are deleted after a new commit."""
+    uri: str | None = Field(default=None, max_length=1024)
+    """file://<dir> or s3://<bucket>[/prefix]; None = the stack's object store."""
+
+    @field_validator("uri")
+    @classmethod
+    def _object_store_scheme(cls, uri: str | None) -> str | None:
+        if uri is not None:
+            scheme, sep, rest = uri.partition("://")
+            if not sep or not rest or scheme not in CHECKPOINT_SCHEMES:
+                raise ValueError("checkpoint uri must be file://<dir> or s3://<bucket>[/prefix]")
+        return uri
+
+
+class ResourcesSpec(_Spec):
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3})$")
+    """auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
+    memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Cap on the share of GPU memory one trainer process may use."""
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    """torch intra-op threads per trainer; None = torch's default."""
+
+
+class FlowSpec(_Spec):
+    max_lead_batches: int = Field(default=64, ge=1, le=1_000_000)
+    """How many ready train batches may exist ahead of what the trainers consumed."""
+    shard_size: int | None = Field(default=None, ge=1, le=10_000_000)
+    """Samples per shard task; None = 8 * micro_batch_size (see JobSpec.shard_size)."""
+
+
+class JobSpec(_Spec):
+    """A complete, validated job description."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")
+    """Human name; lower-case letters, digits, '-', '_', '.'."""
+    model: ModelSpec
+    dataset: DatasetSpec
+    preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
+    training: TrainingSpec
+    distribution: DistributionSpec = Field(default_factory=DistributionSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    flow: FlowSpec = Field(default_factory=FlowSpec)
+
+    @field_validator("flow")
+    @classmethod
+    def _shard_holds_whole_batches(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training = info.data.get("training")
+        if flow.shard_size is not None and training is not None:
+            micro = training.micro_batch_size
+            if flow.shard_size % micro:
+                raise ValueError(
+                    f"shard_size ({flow.shard_size}) must be a multiple of "
+                    f"training.micro_batch_size ({micro})"
+                )
+        return flow
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches in one optimizer step (all trainers together)."""
+        return self.training.global_batch_size // self.training.micro_batch_size
+
+    @property
+    def shard_size(self) -> int:
+        """Samples per shard task: ``flow.shard_size`` or 8 micro-batches."""
+        if self.flow.shard_size is not None:
+            return self.flow.shard_size
+        return 8 * self.training.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict that :meth:`from_dict` turns back into an equal spec."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobSpec:
+        """Validate a decoded mapping; raises ``pydantic.ValidationError``."""
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> JobSpec:
+        """Parse and validate YAML (JSON is YAML too); raises ``ValueError``."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"job spec is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError("job spec must be a YAML mapping at the top level")
+        return cls.model_validate(data)

@@ -1,0 +1,483 @@
+"""The job-state view of ``conveyor.jobs``, and the reader that builds it.
+
+Used by every service that needs to know the jobs (the gateway serves it, the trainer picks
+its job from it). :class:`JobsView` is pure logic, no I/O: it is fed every :class:`JobEvent`
+in log order (per job the order is the partition's, because events are keyed by job id).
+:class:`JobLogReader` reads every partition of the jobs topic from the beginning with a
+group-less consumer (manual assignment, nothing committed, so every reader and every restart
+sees the whole log), folds each event into a view, and is *ready* once it has reached the end
+offsets captured at start; it then keeps tailing.
+
+Fold rules:
+
+- ``submitted`` creates the job (``pending``); a second ``submitted`` for the same id (a retried
+  publish, or two gateways racing on one Idempotency-Key) is ignored: the first one wins.
+- States only move forward: pending -> planned -> running -> completed | failed | cancelled.
+  A ``progress`` implies running. Terminal states are final: later events are ignored.
+- Events for a job never submitted, and unknown event names, are ignored.
+- Progress counters in ``progress`` events are each trainer's own; the view keeps the latest
+  report per worker and sums counters and rates over workers (step and epoch: the maximum).
+  A report with ``source: "coordinator"`` (the
+  aggregator that closes the job's steps) holds the job's own totals: once one is in, the
+  counters, step, epoch and loss come from it alone (adding it to the trainers' would count
+  every sample twice); rates and data wait still come from the trainers.
+- ``stage_latency_s`` ({stage: seconds}) of each progress report is kept in a bounded window
+  per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from conveyor.platform.bus.errors import BusError
+from conveyor.platform.bus.tail import TopicTail
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import JobEvent, Message
+from conveyor.platform.telemetry import counter, gauge
+
+logger = logging.getLogger(__name__)
+
+JobState = Literal["pending", "planned", "running", "completed", "failed", "cancelled"]
+JOB_STATES: Final[tuple[JobState, ...]] = (
+    "pending", "planned", "running", "completed", "failed", "cancelled",
+)  # fmt: skip
+TERMINAL_STATES: Final[frozenset[JobState]] = frozenset({"completed", "failed", "cancelled"})
+_RANK: Final[dict[JobState, int]] = {state: rank for rank, state in enumerate(JOB_STATES)}
+
+_SUMMED_COUNTERS = ("samples_trained", "batches_consumed", "consumed_train_batches")
+
+
+def _number(data: dict[str, Any], key: str) -> float | None:
+    """A finite int/float field of an event, else None (events come from other processes)."""
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _integer(data: dict[str, Any], key: str) -> int | None:
+    value = _number(data, key)
+    return None if value is None else int(value)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated ``q`` percentile (0..100) of non-empty ascending values."""
+    position = (len(sorted_values) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+@dataclass(slots=True)
+class WorkerProgress:
+    """The latest progress report of one trainer."""
+
+    worker_id: str
+    at: float
+    epoch: int = 0
+    step: int = 0
+    samples_trained: int = 0
+    batches_consumed: int = 0
+    consumed_train_batches: int = 0
+    loss: float | None = None
+    samples_per_second: float = 0.0
+    data_wait_ratio: float | None = None
+
+
+@dataclass(slots=True)
+class JobView:
+    """Everything the gateway knows about one job. Mutated only by :class:`JobsView`."""
+
+    job_id: str
+    name: str
+    spec: dict[str, Any]
+    idempotency_key: str | None
+    submitted_at: float
+    updated_at: float
+    stage_window: int
+    state: JobState = "pending"
+    seq: int = 0
+    """Events applied to this job so far (an SSE event id)."""
+    cancel_requested: bool = False
+    reason: str | None = None
+    plan: dict[str, Any] | None = None
+    summary: dict[str, Any] | None = None
+    loss: float | None = None
+    """Loss of the most recent progress report."""
+    workers: dict[str, WorkerProgress] = field(default_factory=dict)
+    coordinator: WorkerProgress | None = None
+    """The latest report of the job's coordinator (job totals), if any."""
+    epochs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """epoch -> {eval_loss, eval_accuracy, train_loss} from epoch_completed."""
+    stage_samples_s: dict[str, deque[float]] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def progress(self) -> dict[str, Any]:
+        """Job-level progress: the coordinator's totals (before its first report, the trainers'
+        counters summed), step/epoch maxima, the trainers' summed rates and mean data wait."""
+        reports = list(self.workers.values())
+        counted = reports if self.coordinator is None else [self.coordinator]
+        totals: dict[str, Any] = {
+            name: sum(getattr(report, name) for report in counted) for name in _SUMMED_COUNTERS
+        }
+        waits = [r.data_wait_ratio for r in reports if r.data_wait_ratio is not None]
+        training = self.spec.get("training")
+        training = training if isinstance(training, dict) else {}
+        epochs_total = _integer(training, "epochs") or 0
+        steps_per_epoch = _integer(self.plan or {}, "steps_per_epoch")
+        total_steps = None if steps_per_epoch is None else steps_per_epoch * epochs_total
+        max_steps = _integer(training, "max_steps")
+        if max_steps is not None and (total_steps is None or max_steps < total_steps):
+            total_steps = max_steps
+        return {
+            "epoch": max((r.epoch for r in counted), default=0),
+            "epochs": epochs_total,
+            "step": max((r.step for r in counted), default=0),
+            "total_steps": total_steps,
+            **totals,
+            "loss": self.loss,
+            "samples_per_second": sum(r.samples_per_second for r in reports),
+            "data_wait_ratio": sum(waits) / len(waits) if waits else None,
+            "workers": sorted(self.workers),
+        }
+
+    def stage_percentiles(self) -> dict[str, dict[str, float]]:
+        """Per stage: count, p50, p90, p99, max and last of the recent reports (seconds)."""
+        result: dict[str, dict[str, float]] = {}
+        for stage, window in sorted(self.stage_samples_s.items()):
+            ordered = sorted(window)
+            result[stage] = {
+                "count": float(len(ordered)),
+                "p50": percentile(ordered, 50),
+                "p90": percentile(ordered, 90),
+                "p99": percentile(ordered, 99),
+                "max": ordered[-1],
+                "last": window[-1],
+            }
+        return result
+
+
+class JobsView:
+    """All jobs, folded from the jobs topic. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, *, stage_window: int = 256) -> None:
+        if stage_window < 1:
+            raise ValueError("stage_window must be >= 1")
+        self._stage_window = stage_window
+        self._jobs: dict[str, JobView] = {}
+        self._by_key: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, job_id: str) -> JobView | None:
+        return self._jobs.get(job_id)
+
+    def job_for_key(self, idempotency_key: str) -> JobView | None:
+        """The job first submitted with this Idempotency-Key, if any."""
+        job_id = self._by_key.get(idempotency_key)
+        return None if job_id is None else self._jobs.get(job_id)
+
+    def list(self, *, state: JobState | None = None, limit: int = 100) -> list[JobView]:
+        """Newest submission first (ties: later in the log first), optionally one state only."""
+        ordered = reversed(self._jobs.values())  # dicts keep log order
+        chosen = [job for job in ordered if state is None or job.state == state]
+        chosen.sort(key=lambda job: job.submitted_at, reverse=True)  # stable: keeps log order
+        return chosen[:limit]
+
+    def counts_by_state(self) -> dict[JobState, int]:
+        counts: dict[JobState, int] = dict.fromkeys(JOB_STATES, 0)
+        for job in self._jobs.values():
+            counts[job.state] += 1
+        return counts
+
+    def apply(self, event: JobEvent) -> JobView | None:
+        """Fold one event; returns the changed job, or None when the event changed nothing."""
+        if event.event == "submitted":
+            return self._submit(event)
+        job = self._jobs.get(event.job_id)
+        if job is None or job.terminal:
+            return None
+        handler = _HANDLERS.get(event.event)
+        if handler is None:
+            logger.debug("ignoring unknown job event %r for %s", event.event, event.job_id)
+            return None
+        if not handler(job, event.data, event.at):
+            return None
+        job.seq += 1
+        job.updated_at = max(job.updated_at, event.at)
+        return job
+
+    def _submit(self, event: JobEvent) -> JobView | None:
+        if event.job_id in self._jobs:
+            return None
+        spec = event.data.get("spec")
+        if not isinstance(spec, dict):
+            logger.warning("submitted event for %s carries no spec; ignored", event.job_id)
+            return None
+        key = event.data.get("idempotency_key")
+        key = key if isinstance(key, str) else None
+        job = JobView(
+            job_id=event.job_id,
+            name=str(spec.get("name", "")),
+            spec=spec,
+            idempotency_key=key,
+            submitted_at=event.at,
+            updated_at=event.at,
+            stage_window=self._stage_window,
+            seq=1,
+        )
+        self._jobs[event.job_id] = job
+        if key is not None:
+            self._by_key.setdefault(key, event.job_id)
+        return job
+
+
+def _advance(job: JobView, state: JobState) -> bool:
+    if _RANK[state] <= _RANK[job.state]:
+        return False
+    job.state = state
+    return True
+
+
+def _on_planned(job: JobView, data: dict[str, Any], at: float) -> bool:
+    job.plan = dict(data)
+    _advance(job, "planned")
+    return True
+
+
+def _on_running(job: JobView, data: dict[str, Any], at: float) -> bool:
+    worker_id = data.get("worker_id")
+    joined = False
+    if isinstance(worker_id, str) and worker_id not in job.workers:
+        job.workers[worker_id] = WorkerProgress(worker_id=worker_id, at=at)
+        joined = True
+    return _advance(job, "running") or joined
+
+
+def _on_progress(job: JobView, data: dict[str, Any], at: float) -> bool:
+    worker_id = data.get("worker_id")
+    worker_id = worker_id if isinstance(worker_id, str) else "unknown"
+    report = WorkerProgress(worker_id=worker_id, at=at)
+    for name in ("epoch", "step", *_SUMMED_COUNTERS):
+        value = _integer(data, name)
+        if value is not None:
+            setattr(report, name, value)
+    report.loss = _number(data, "loss")
+    report.samples_per_second = _number(data, "samples_per_second") or 0.0
+    report.data_wait_ratio = _number(data, "data_wait_ratio")
+    if data.get("source") == "coordinator":
+        # The coordinator counts batches the job consumed (applied or evaluated) as
+        # ``consumed_batches``, the trainers' reports as ``batches_consumed``.
+        report.batches_consumed = _integer(data, "consumed_batches") or 0
+        job.coordinator = report
+    else:
+        job.workers[worker_id] = report
+    if report.loss is not None:
+        job.loss = report.loss
+    stages = data.get("stage_latency_s")
+    if isinstance(stages, dict):
+        for stage in stages:
+            latency_s = _number(stages, stage)
+            if isinstance(stage, str) and latency_s is not None and latency_s >= 0:
+                window = job.stage_samples_s.setdefault(stage, deque(maxlen=job.stage_window))
+                window.append(latency_s)
+    _advance(job, "running")
+    return True
+
+
+def _on_epoch_completed(job: JobView, data: dict[str, Any], at: float) -> bool:
+    epoch = _integer(data, "epoch")
+    if epoch is None:
+        return False
+    job.epochs[epoch] = {
+        name: _number(data, name) for name in ("train_loss", "eval_loss", "eval_accuracy")
+    }
+    return True
+
+
+def _on_completed(job: JobView, data: dict[str, Any], at: float) -> bool:
+    summary = data.get("summary")
+    job.summary = dict(summary) if isinstance(summary, dict) else {}
+    job.state = "completed"
+    return True
+
+
+def _on_failed(job: JobView, data: dict[str, Any], at: float) -> bool:
+    reason = data.get("reason")
+    job.reason = reason if isinstance(reason, str) else "unknown failure"
+    job.state = "failed"
+    return True
+
+
+def _on_cancel_requested(job: JobView, data: dict[str, Any], at: float) -> bool:
+    if job.cancel_requested:
+        return False
+    job.cancel_requested = True
+    return True
+
+
+def _on_cancelled(job: JobView, data: dict[str, Any], at: float) -> bool:
+    reason = data.get("reason")
+    job.reason = reason if isinstance(reason, str) else "cancelled"
+    job.state = "cancelled"
+    return True
+
+
+_Handler = Callable[[JobView, dict[str, Any], float], bool]
+"""Applies one event's data at time ``at`` (unix s); True when the job changed."""
+
+_HANDLERS: Final[dict[str, _Handler]] = {
+    "planned": _on_planned,
+    "running": _on_running,
+    "progress": _on_progress,
+    "epoch_completed": _on_epoch_completed,
+    "completed": _on_completed,
+    "failed": _on_failed,
+    "cancel_requested": _on_cancel_requested,
+    "cancelled": _on_cancelled,
+}
+
+
+# --------------------------------------------------------------------------- the reader
+
+_POLL_TIMEOUT_MS = 1000
+
+OnApplied = Callable[[JobView, JobEvent], None]
+"""Called (on the event loop) with the job and the event after each event that changed it."""
+
+
+class JobLogReader:
+    """Folds the jobs topic into ``view`` and calls ``on_applied``; single use.
+
+    ``start()`` reads every partition from the earliest offset (a :class:`TopicTail`, so holes
+    in the offsets are read again) and captures the end offsets; ``run()`` consumes until
+    cancelled. Broker failures raise :class:`BusError`; a record that does not decode, or is
+    not a JobEvent, is logged, counted and skipped (a view must not stop on one bad record;
+    readers do not write the DLQ, which would get a copy per restart): undecodable ones by the
+    tail's skipped-records metric, other messages by ``conveyor_<service>_skipped_events_total``.
+    ``service`` also names the gauge ``conveyor_<service>_jobs``.
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        topic: str,
+        view: JobsView,
+        *,
+        service: str,
+        on_applied: OnApplied | None = None,
+    ) -> None:
+        self._settings = settings
+        self._topic = topic
+        self._view = view
+        self._on_applied = on_applied
+        self._tail: TopicTail | None = None
+        self._targets: dict[int, int] = {}
+        self._caught_up = asyncio.Event()
+        self._progress = asyncio.Condition()
+        self._skipped = counter(
+            service, "skipped_events_total", "Jobs-topic records that were not JobEvents."
+        )
+        self._jobs_gauge = gauge(service, "jobs", "Jobs in the view by state.", ["state"])
+
+    @property
+    def view(self) -> JobsView:
+        return self._view
+
+    @property
+    def ready(self) -> bool:
+        """True once every partition was read up to its end offset at start."""
+        return self._caught_up.is_set()
+
+    async def start(self) -> None:
+        """Read every partition of the topic from the beginning. BusError if it has none."""
+        tail = TopicTail(self._settings, self._topic)
+        await tail.start()
+        try:
+            self._targets = await tail.end_offsets()
+        except BaseException:
+            await tail.stop()
+            raise
+        self._tail = tail
+        logger.info("replaying %s up to offsets %s", self._topic, self._targets)
+        self._check_caught_up()
+
+    async def stop(self) -> None:
+        """Close the reader. Safe to call twice."""
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            await tail.stop()
+
+    async def run(self) -> None:
+        """Consume and apply until cancelled."""
+        tail = self._tail
+        if tail is None:
+            raise BusError("JobLogReader.run() before start()")
+        while True:
+            records = await tail.get_many(_POLL_TIMEOUT_MS / 1000)
+            for record in records:
+                self._apply(record.message)
+            if records:
+                self._update_gauge()
+                async with self._progress:
+                    self._progress.notify_all()
+            self._check_caught_up()
+
+    async def wait_ready(self) -> None:
+        await self._caught_up.wait()
+
+    async def wait_applied(self, partition: int, offset: int, timeout_s: float) -> None:
+        """Wait until the record at ``offset`` of ``partition`` is in the view.
+
+        Raises ``TimeoutError`` after ``timeout_s`` seconds.
+        """
+        async with asyncio.timeout(timeout_s), self._progress:
+            await self._progress.wait_for(lambda: self._position(partition) > offset)
+
+    def _position(self, partition: int) -> int:
+        position = self._tail.position(partition) if self._tail is not None else None
+        return position or 0
+
+    def _apply(self, message: Message) -> None:
+        if not isinstance(message, JobEvent):
+            self._skipped.inc()
+            logger.warning("skipping %s on %s: not a JobEvent", type(message).__name__, self._topic)
+            return
+        job = self._view.apply(message)
+        if job is not None and self._on_applied is not None:
+            self._on_applied(job, message)
+
+    def _check_caught_up(self) -> None:
+        if self._caught_up.is_set():
+            return
+        if all(
+            self._position(p) >= self._replay_target(p, end) for p, end in self._targets.items()
+        ):
+            self._update_gauge()
+            self._caught_up.set()
+            logger.info("jobs view caught up: %d jobs", len(self._view))
+
+    def _replay_target(self, partition: int, end_offset: int) -> int:
+        """The offset replay must reach before the view counts as caught up.
+
+        The embedded broker (Tansu 0.6) answers ListOffsets with the base offset of the last
+        record batch + 1, which undercounts when that batch holds several records; the
+        high-water mark in fetch responses is right, so the larger of the two is used once a
+        fetch has reported it."""
+        highwater = self._tail.highwater(partition) if self._tail is not None else None
+        return max(end_offset, highwater or 0)
+
+    def _update_gauge(self) -> None:
+        counts = self._view.counts_by_state()
+        for state in JOB_STATES:
+            self._jobs_gauge.labels(state=state).set(counts[state])

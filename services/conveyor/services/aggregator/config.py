@@ -1,0 +1,67 @@
+"""Settings of the aggregator (``CONVEYOR_AGGREGATOR_...``), read once at the edge."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Annotated
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from conveyor.platform.config import _FileAwareSettings
+
+
+def group_id(topic_prefix: str, job_id: str) -> str:
+    """Consumer group of a job's aggregator shards on its grads topic: the assignment of the
+    grads partitions is the ownership of the slices (``conveyor-aggregator.<job_id>`` under
+    the default prefix)."""
+    return f"{topic_prefix.rstrip('.') or 'conveyor'}-aggregator.{job_id}"
+
+
+def _default_worker_id() -> str:
+    return f"aggregator-{socket.gethostname()}-{os.getpid()}"
+
+
+class AggregatorSettings(_FileAwareSettings):
+    """How one aggregator process serves the jobs' gradient planes."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_AGGREGATOR_", frozen=True, extra="forbid"
+    )
+
+    worker_id: str = Field(
+        default_factory=_default_worker_id,
+        min_length=1,
+        max_length=128,
+        description="Id of this process in logs and events; default aggregator-<host>-<pid>.",
+    )
+    member_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=10.0,
+        description=(
+            "A trainer not heard from (heartbeat or contribution) for this long is dropped "
+            "from its job's membership, so a sync step stops waiting for it."
+        ),
+    )
+    tick_s: Annotated[float, Field(gt=0, le=10)] = Field(
+        default=0.1,
+        description="Longest time between two decision passes when nothing arrives (seconds).",
+    )
+    progress_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=0.5, description="Least time between two coordinator progress events of a job."
+    )
+    max_held_slices: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
+        default=4096,
+        description=(
+            "Gradient-slice records one job's shards may hold unacknowledged (the grads "
+            "consumer's max_in_flight): a few steps' worth of contributions per slice."
+        ),
+    )
+    export_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=120.0,
+        description="Longest wait at the job's end for every slice's final ParamSlice.",
+    )
+    retry_backoff_s: Annotated[float, Field(gt=0, le=300)] = Field(
+        default=2.0,
+        description="Wait before serving a job again after a retriable broker/storage failure.",
+    )

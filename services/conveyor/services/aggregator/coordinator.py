@@ -1,0 +1,379 @@
+"""The coordinator's state and decisions for one job: pure logic, no I/O.
+
+Every aggregator process folds the job's control topic, in log order, into a
+:class:`Coordinator` (:meth:`Coordinator.fold`); the process that owns partition 0 of the
+grads topic also calls :meth:`Coordinator.decide` and publishes what it returns. Its own
+decisions change the state only when they come back through the log, so the state is always
+the fold of the log, and a new coordinator after a failover continues from exactly the same
+state. Folding rules (shared with the trainers):
+
+- a StepClose applies when its version is the current one + 1 (the first of each version
+  wins; a duplicate from a failover race is ignored);
+- a Contribution id seen before is ignored; a Rejection of an applied contribution is ignored;
+- an EvalResult counts once per eval batch id (a result whose ids are all covered is ignored).
+
+Decisions (``decide``): sync mode closes version v+1 once every live member has a pending
+contribution computed on v; ssp closes one contribution per version while
+``current - base <= staleness``. Either mode rejects contributions that are too stale or carry
+an already-applied batch ("duplicate batches"); once training is finished every contribution
+is rejected ("training finished"), so each one gets an answer. Nothing is decided while an
+earlier decision has not come back through the log.
+
+Allocation (``distribution.allocation``): adaptive gives each live trainer micro-batches per
+step in proportion to its measured throughput and publishes a ``routing`` of the batches
+topic's partitions (:meth:`Coordinator.routing`) so that each trainer also *receives* that
+share of the batches; equal splits each step equally and routes nothing.
+
+SGD momentum under bounded staleness: a close whose gradient is ``d > 0`` versions old carries
+``momentum / (1 + d)`` (:func:`conveyor.training.optim.staleness_momentum`); the shards apply it.
+
+The learning-rate schedule's step: sync counts non-empty steps; ssp counts applied train
+batches / micro_batches_per_step (an ssp step holds one trainer's share). ``max_steps`` caps
+the version (what every trainer sees in the StepCloses, so all stop at the same point).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.platform.messages import (
+    Contribution,
+    EvalResult,
+    Heartbeat,
+    Message,
+    Rejection,
+    StepClose,
+)
+from conveyor.services.aggregator.epochs import EpochBook
+from conveyor.services.aggregator.membership import Membership, allocate
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.optim import aggregator_optimizer, lr_at, staleness_momentum
+from conveyor.training.plan import parse_batch_id
+from conveyor.training.routing import partition_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CoordinatorConfig:
+    """What the coordinator needs to know about a job."""
+
+    job_id: str
+    spec: JobSpec
+    """The job spec (mode, staleness, optimizer lr and schedule, epochs, max_steps)."""
+    train_batches_per_epoch: int
+    """From the sharder's plan."""
+    eval_batches_per_epoch: int
+    """From the sharder's plan."""
+    member_timeout_s: float = 10.0
+    """A trainer not heard from for this long is no longer waited for."""
+    batches_partitions: int | None = None
+    """Partitions of the job's batches topic (from the sharder's plan); None: no routing."""
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.spec.micro_batches_per_step
+
+    @property
+    def total_steps(self) -> int:
+        """Steps the schedule spans: every epoch's steps, capped by ``max_steps``."""
+        steps = self.spec.training.epochs * math.ceil(
+            self.train_batches_per_epoch / self.micro_batches_per_step
+        )
+        max_steps = self.spec.training.max_steps
+        return steps if max_steps is None else min(steps, max_steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Decisions:
+    """What to publish on the control topic, in this order (rejections, then the close)."""
+
+    rejections: list[Rejection] = field(default_factory=list)
+    close: StepClose | None = None
+
+
+class Coordinator:
+    """See the module docstring. Not thread-safe."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        distribution = config.spec.distribution
+        self.sync = distribution.mode == "sync"
+        self.staleness_bound = 0 if self.sync else distribution.staleness
+        self.adaptive = distribution.allocation == "adaptive"
+        self.members = Membership(config.member_timeout_s)
+        self.version = 0
+        """Latest applied version."""
+        self.steps = 0
+        """Applied steps with samples."""
+        self.samples_trained = 0
+        self.closes: dict[int, StepClose] = {}
+        """Applied StepCloses by version."""
+        self.max_staleness = 0
+        self.grad_bytes_total = 0
+        """Gradient bytes of every contribution received (applied, rejected or pending)."""
+        self.rejected = 0
+        self.last_loss: float | None = None
+        self.first_sent_at: float | None = None
+        self.last_closed_at: float | None = None
+        self.epochs = EpochBook(
+            epochs=config.spec.training.epochs,
+            train_batches=config.train_batches_per_epoch,
+            eval_batches=config.eval_batches_per_epoch,
+        )
+        self._pending: dict[str, Contribution] = {}  # arrival order
+        self._seen: set[str] = set()
+        self._applied_in: dict[str, int] = {}  # contribution id -> version that applied it
+        self._applied_batches: set[str] = set()
+        self._awaiting_version: int | None = None
+        self._awaiting_rejections: set[str] = set()
+
+    # -- folding the log -------------------------------------------------------------------
+
+    def fold(self, message: Message) -> None:
+        """Apply one control-topic message (other types and other jobs are ignored)."""
+        if getattr(message, "job_id", self.config.job_id) != self.config.job_id:
+            return
+        if isinstance(message, Heartbeat):
+            self.members.heartbeat(message)
+        elif isinstance(message, Contribution):
+            self._fold_contribution(message)
+        elif isinstance(message, StepClose):
+            self._fold_close(message)
+        elif isinstance(message, Rejection):
+            self._awaiting_rejections.discard(message.contribution_id)
+            if self._pending.pop(message.contribution_id, None) is not None:
+                self.rejected += 1
+        elif isinstance(message, EvalResult):
+            self.epochs.evaluated(message, self.config.job_id)
+
+    def _fold_contribution(self, contribution: Contribution) -> None:
+        self.members.seen(contribution.worker_id, contribution.sent_at)
+        if contribution.contribution_id in self._seen:
+            return
+        self._seen.add(contribution.contribution_id)
+        self._pending[contribution.contribution_id] = contribution
+        self.grad_bytes_total += contribution.grad_bytes
+        if self.first_sent_at is None:
+            self.first_sent_at = contribution.sent_at
+
+    def _fold_close(self, close: StepClose) -> None:
+        if self.closes.get(close.version) == close:
+            return  # read back after the coordinator folded it as it published it (Leader.act)
+        if close.version != self.version + 1:
+            logger.warning("job %s: ignoring StepClose %d at version %d",
+                           self.config.job_id, close.version, self.version)  # fmt: skip
+            return
+        self.version = close.version
+        self.closes[close.version] = close
+        if self._awaiting_version is not None and self.version >= self._awaiting_version:
+            self._awaiting_version = None
+        loss_sum = 0.0
+        for entry in close.contributions:
+            contribution_id = str(entry.get("contribution_id"))
+            self._seen.add(contribution_id)
+            self._applied_in[contribution_id] = close.version
+            contribution = self._pending.pop(contribution_id, None)
+            if contribution is not None:
+                loss_sum += contribution.loss_sum
+            self.max_staleness = max(self.max_staleness, int(entry.get("staleness", 0)))
+        self._applied_batches.update(close.batch_ids)
+        self.epochs.applied(close.batch_ids, close.version)
+        if close.num_samples > 0:
+            self.steps += 1
+            self.samples_trained += close.num_samples
+            self.last_loss = loss_sum / close.num_samples
+            self.epochs.train_loss(close.epoch, loss_sum, close.num_samples)
+        self.last_closed_at = close.closed_at
+
+    # -- derived state ---------------------------------------------------------------------
+
+    def undecided(self) -> list[Contribution]:
+        """Folded contributions neither applied nor rejected yet, in arrival order."""
+        return list(self._pending.values())
+
+    def applied_version(self, contribution_id: str) -> int | None:
+        """The version whose StepClose applied ``contribution_id`` (None: not applied)."""
+        return self._applied_in.get(contribution_id)
+
+    def applied_batches(self) -> list[str]:
+        """Every applied batch id, in version order."""
+        return [b for v in sorted(self.closes) for b in self.closes[v].batch_ids]
+
+    @property
+    def applied_train_batches(self) -> int:
+        return self.epochs.applied_train_batches
+
+    @property
+    def consumed_batches(self) -> int:
+        """Applied train batches + covered eval batches (the sharder's flow control)."""
+        return self.epochs.applied_train_batches + self.epochs.covered_eval_batches
+
+    def allocation(self, now: float) -> dict[str, int]:
+        """Micro-batches per live member for the next step (empty without live members):
+        adaptive: proportional to each one's throughput; equal: an equal split."""
+        live = self.members.live(now)
+        if not live:
+            return {}
+        throughputs = {m.worker_id: m.samples_per_second if self.adaptive else None
+                       for m in live}  # fmt: skip
+        return allocate(throughputs, self.config.micro_batches_per_step)
+
+    def routing(self, now: float) -> list[float] | None:
+        """Weights of the batches topic's partitions (sum 1) that give each live member the
+        share of the batches it consumes: sync, its allocation per step (at least 1, what a
+        trainer takes); ssp, its throughput (each trainer steps at its own pace). None with
+        equal allocation, an unknown partition count, or no member reporting partitions."""
+        partitions = self.config.batches_partitions
+        if not self.adaptive or partitions is None:
+            return None
+        live = self.members.live(now)
+        if self.sync:
+            counts = self.allocation(now)
+            rates: dict[str, float | None] = {w: float(max(1, n)) for w, n in counts.items()}
+        else:
+            rates = {m.worker_id: m.samples_per_second for m in live}
+        owners = [(rates[m.worker_id], m.batches_partitions) for m in live]
+        return partition_weights(owners, partitions)
+
+    @property
+    def schedule_step(self) -> int:
+        """The step the learning-rate schedule counts (module docstring)."""
+        if self.sync:
+            return self.steps
+        return self.applied_train_batches // self.config.micro_batches_per_step
+
+    @property
+    def current_epoch(self) -> int:
+        """Lowest epoch whose train batches are not all applied (``epochs`` when none is)."""
+        return self.epochs.current_epoch
+
+    @property
+    def training_finished(self) -> bool:
+        max_steps = self.config.spec.training.max_steps
+        if max_steps is not None and self.version >= max_steps:
+            return True
+        return self.current_epoch >= self.config.spec.training.epochs
+
+    @property
+    def finished(self) -> bool:
+        """Training finished and every ended epoch's evaluation is complete."""
+        ended = self.epochs.end_version
+        return self.training_finished and all(map(self.epochs.eval_complete, ended))
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def decide(self, now: float) -> Decisions:
+        """What to publish now (wall clock ``now``, unix s); see the module docstring."""
+        if self._awaiting_version is not None:
+            return Decisions()
+        if self.training_finished:
+            # Every contribution gets an answer, so no trainer waits for one that never comes.
+            return Decisions(rejections=[
+                self._reject(c, "training finished")
+                for c in self._pending.values()
+                if c.contribution_id not in self._awaiting_rejections
+            ])  # fmt: skip
+        rejections: list[Rejection] = []
+        ready: list[Contribution] = []
+        for contribution in self._pending.values():
+            if contribution.contribution_id in self._awaiting_rejections:
+                continue
+            reason = self._rejection_reason(contribution)
+            if reason is not None:
+                rejections.append(self._reject(contribution, reason))
+            elif not self.sync:
+                ready = [contribution]  # ssp: one contribution per version, in arrival order
+                break
+            else:
+                ready.append(contribution)
+        if not ready or (self.sync and not self._all_live_contributed(ready, now)):
+            return Decisions(rejections=rejections)
+        included: list[Contribution] = []
+        batches: set[str] = set()
+        for contribution in ready:
+            if batches.intersection(contribution.batch_ids):
+                rejections.append(self._reject(contribution, "duplicate batches"))
+            else:
+                included.append(contribution)
+                batches.update(contribution.batch_ids)
+        close = self._close(included, now)
+        self._awaiting_version = close.version
+        return Decisions(rejections=rejections, close=close)
+
+    def _rejection_reason(self, contribution: Contribution) -> str | None:
+        staleness = self.version - contribution.base_version
+        if staleness < 0 or staleness > self.staleness_bound:
+            return f"stale: base {contribution.base_version}, current {self.version}"
+        job_id = self.config.job_id
+        try:
+            refs = [parse_batch_id(b) for b in contribution.batch_ids]
+        except ValueError:
+            return "invalid batch ids"
+        if any(r.job_id != job_id or r.split != "train" for r in refs):
+            return "invalid batch ids"
+        if len(set(contribution.batch_ids)) != len(contribution.batch_ids) or any(
+            b in self._applied_batches for b in contribution.batch_ids
+        ):
+            return "duplicate batches"
+        return None
+
+    def _reject(self, contribution: Contribution, reason: str) -> Rejection:
+        self._awaiting_rejections.add(contribution.contribution_id)
+        return Rejection(
+            job_id=self.config.job_id,
+            contribution_id=contribution.contribution_id,
+            worker_id=contribution.worker_id,
+            current_version=self.version,
+            reason=reason,
+        )
+
+    def _all_live_contributed(self, ready: list[Contribution], now: float) -> bool:
+        contributors = {c.worker_id for c in ready}
+        return all(m.worker_id in contributors for m in self.members.live(now))
+
+    def _close(self, included: list[Contribution], now: float) -> StepClose:
+        batch_ids = [b for c in included for b in c.batch_ids]
+        staleness = max((self.version - c.base_version for c in included), default=0)
+        epochs = [parse_batch_id(b).epoch for b in batch_ids]
+        return StepClose(
+            job_id=self.config.job_id,
+            version=self.version + 1,
+            contributions=[_entry(c, self.version - c.base_version) for c in included],
+            batch_ids=batch_ids,
+            num_samples=sum(c.num_samples for c in included),
+            epoch=min(epochs, default=self.current_epoch),
+            lr=self._lr(),
+            allocation=self.allocation(now),
+            closed_at=now,
+            momentum=self._momentum(staleness),
+        )
+
+    def _momentum(self, staleness: int) -> float | None:
+        """The step's SGD momentum when the aggregator runs one and the gradient is stale."""
+        optimizer = aggregator_optimizer(self.config.spec)
+        if optimizer.name != "sgd" or optimizer.momentum == 0 or staleness == 0:
+            return None
+        return staleness_momentum(optimizer.momentum, staleness)
+
+    def _lr(self) -> float:
+        training = self.config.spec.training
+        return lr_at(
+            training.lr_schedule,
+            training.optimizer.lr,
+            self.schedule_step,
+            self.config.total_steps,
+        )
+
+
+def _entry(contribution: Contribution, staleness: int) -> dict[str, Any]:
+    return {
+        "contribution_id": contribution.contribution_id,
+        "worker_id": contribution.worker_id,
+        "base_version": contribution.base_version,
+        "num_samples": contribution.num_samples,
+        "staleness": staleness,
+    }

@@ -1,0 +1,167 @@
+"""The coordinator's voice: publishes its decisions, the job's progress, epoch results and,
+at the end, the exported model and the ``completed`` event.
+
+Runs in the aggregator process that owns partition 0 of the job's grads topic, and only when
+the control log has been read to its end (the decisions must rest on the whole log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from conveyor.platform.bus import Producer, TopicTail
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.storage import ObjectStore
+from conveyor.services.aggregator.config import AggregatorSettings
+from conveyor.services.aggregator.coordinator import Coordinator
+from conveyor.services.aggregator.epochs import EpochResult
+from conveyor.services.aggregator.finish import final_params, summarise, write_outputs
+from conveyor.services.aggregator.job import JobContext
+from conveyor.services.aggregator.metrics import AggregatorMetrics, rejection_label
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_WORKER_ID = "coordinator"
+
+
+class Leader:
+    """Publishes for a :class:`Coordinator`; ``reported(epoch)`` says whether the jobs topic
+    already has that epoch's ``epoch_completed`` (a previous coordinator may have sent it)."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        coordinator: Coordinator,
+        *,
+        settings: AggregatorSettings,
+        kafka: KafkaSettings,
+        producer: Producer,
+        store: ObjectStore,
+        metrics: AggregatorMetrics,
+        reported: Callable[[int], bool],
+    ) -> None:
+        self.ctx = ctx
+        self.coordinator = coordinator
+        self.settings = settings
+        self.kafka = kafka
+        self.topics = Topics(kafka.topic_prefix)
+        self.producer = producer
+        self.store = store
+        self.metrics = metrics
+        self.reported = reported
+        self.completed = False
+        self._completion: asyncio.Task[None] | None = None
+        self._announced: set[int] = set()
+        self._progress_at = 0.0
+        self._progress_key: tuple[Any, ...] | None = None
+
+    async def act(self, control_log: TopicTail) -> bool:
+        """One pass: decide and publish, then progress, epoch results and the job's end.
+
+        Returns whether it closed a step and folded that StepClose at once: when every record
+        before it on the control log (``control_log``, the tail this process folds) was read
+        already, folding it now is folding it in log order, and this process's shards may
+        apply it without the hop of reading it back. Otherwise it is folded when read.
+        """
+        if self._completion is not None:
+            if self._completion.done():
+                self._completion.result()  # re-raises what the export failed with
+            return False
+        coordinator = self.coordinator
+        folded = False
+        decisions = coordinator.decide(time.time())
+        control = self.topics.control(self.ctx.job_id)
+        for rejection in decisions.rejections:
+            logger.info("job %s: rejecting %s: %s",
+                        self.ctx.job_id, rejection.contribution_id, rejection.reason)  # fmt: skip
+            await self.producer.publish(control, rejection)
+            self.metrics.rejections.labels(rejection_label(rejection.reason)).inc()
+        if decisions.close is not None:
+            record = await self.producer.publish(control, decisions.close)
+            if control_log.position(record.partition) == record.offset:
+                coordinator.fold(decisions.close)
+                folded = True
+            for entry in decisions.close.contributions:
+                self.metrics.staleness.observe(int(entry["staleness"]))
+        await self._progress()
+        for result in coordinator.epochs.results():
+            await self._epoch_completed(result)
+        if coordinator.finished:
+            # In a task: the final ParamSlices may come from this very process's shards,
+            # which the caller advances between two passes.
+            await self._progress(force=True)
+            self._completion = asyncio.create_task(
+                self._complete(), name=f"aggregator.complete.{self.ctx.job_id}"
+            )
+        return folded
+
+    async def stop(self) -> None:
+        """Cancel a completion in progress (the next coordinator redoes it)."""
+        task = self._completion
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+    async def _progress(self, *, force: bool = False) -> None:
+        c = self.coordinator
+        routing = c.routing(time.time())
+        # A routing that moved by less than a percent point is not news on its own.
+        rounded = None if routing is None else tuple(round(w, 2) for w in routing)
+        key = (c.version, c.consumed_batches, rounded)
+        now = time.monotonic()
+        if key == self._progress_key or (not force and now - self._progress_at < self.interval):
+            return
+        self._progress_key, self._progress_at = key, now
+        data: dict[str, Any] = {
+            "worker_id": COORDINATOR_WORKER_ID,
+            "source": COORDINATOR_WORKER_ID,
+            "consumed_batches": c.consumed_batches,
+            "consumed_train_batches": c.applied_train_batches,
+            "version": c.version,
+            "step": c.steps,
+            "epoch": c.current_epoch,
+            "samples_trained": c.samples_trained,
+            "loss": c.last_loss,
+        }
+        if routing is not None:
+            data["routing"] = routing  # the sharder stamps it into the shard tasks it releases
+        await self._event("progress", data)
+
+    @property
+    def interval(self) -> float:
+        return self.settings.progress_interval_s
+
+    async def _epoch_completed(self, result: EpochResult) -> None:
+        if result.epoch in self._announced or self.reported(result.epoch):
+            self._announced.add(result.epoch)
+            return
+        logger.info("job %s: epoch %d done: eval loss %s accuracy %s", self.ctx.job_id,
+                    result.epoch, result.eval_loss, result.eval_accuracy)  # fmt: skip
+        await self._event("epoch_completed", {
+            "epoch": result.epoch,
+            "version": result.version,
+            "eval_loss": result.eval_loss,
+            "eval_accuracy": result.eval_accuracy,
+            "train_loss": result.train_loss,
+        })  # fmt: skip
+        self._announced.add(result.epoch)
+
+    async def _complete(self) -> None:
+        c = self.coordinator
+        flat = await final_params(
+            self.kafka, self.ctx, c.version, timeout_s=self.settings.export_timeout_s
+        )
+        uri = await asyncio.to_thread(write_outputs, self.store, self.ctx, flat, c)
+        summary = summarise(c, uri)
+        await self._event("completed", {"summary": summary, "worker_id": self.settings.worker_id})
+        self.completed = True
+        logger.info("job %s: completed: %s", self.ctx.job_id, summary)
+
+    async def _event(self, event: str, data: dict[str, Any]) -> None:
+        message = JobEvent(job_id=self.ctx.job_id, event=event, at=time.time(), data=data)
+        await self.producer.publish(self.topics.jobs, message, key=self.ctx.job_id)

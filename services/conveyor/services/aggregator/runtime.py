@@ -1,0 +1,366 @@
+"""Serving one job in one aggregator process: read, route, apply, publish, coordinate.
+
+Three tasks share the job's state::
+
+    control: tail the control topic from the beginning -> Coordinator.fold (every process)
+    grads:   group member on the grads topic -> GradSlices into the shard of their partition
+             (resting while the control log announces no slice it lacks: see .demand)
+    engine:  on every arrival or tick_s:
+               follow the assignment: open a shard per new partition (from the last
+                 ParamSlice of that partition, or version 0 published by us), drop lost ones
+               advance each shard: apply the next StepClose once its slices are held,
+                 publish the ParamSlice, acknowledge the GradSlices it consumed
+               owner of partition 0 and caught up with the control log: Leader.act()
+
+GradSlice records are acknowledged (committed) only once the ParamSlice of the version that
+applied them is acknowledged by the broker, or when no future version can apply them; so the
+next owner of a partition after a failover rebuilds from the last ParamSlice and gets every
+GradSlice it still needs again. Its optimizer state restarts (momentum, Adam moments) until
+the checkpointer issue saves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link
+
+from conveyor.platform.bus import (
+    BusError,
+    Consumer,
+    ConsumerStopped,
+    Producer,
+    Received,
+    TopicTail,
+)
+from conveyor.platform.config import KafkaSettings
+from conveyor.platform.messages import GradSlice, ParamSlice, StepClose, Topics
+from conveyor.platform.storage import ObjectStore
+from conveyor.services.aggregator.config import AggregatorSettings, group_id
+from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
+from conveyor.services.aggregator.demand import grads_wanted
+from conveyor.services.aggregator.job import JobContext, JobFailed
+from conveyor.services.aggregator.leader import Leader
+from conveyor.services.aggregator.metrics import AggregatorMetrics
+from conveyor.services.aggregator.params import last_param_slices
+from conveyor.services.aggregator.shard import SliceShard
+from conveyor.training.compression import CompressionError
+from conveyor.training.optim import aggregator_optimizer
+
+logger = logging.getLogger(__name__)
+
+_CONTROL_POLL_S = 0.2
+_STALL_WARN_S = 5.0
+"""A slice whose next StepClose is folded but not applied for this long is logged (with
+what it waits for), again every such period."""
+
+
+class JobAggregator:
+    """Serves one job until cancelled (module docstring). ``run()`` raises
+    :class:`JobFailed` when the job cannot go on, ``BusError`` on broker failures."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        *,
+        settings: AggregatorSettings,
+        kafka: KafkaSettings,
+        producer: Producer,
+        metrics: AggregatorMetrics,
+        store: ObjectStore,
+        reported: Callable[[int], bool],
+    ) -> None:
+        """``store``: where the job's model and ledger go; ``reported(epoch)``: whether the
+        jobs topic already has that epoch's ``epoch_completed``."""
+        self.ctx = ctx
+        self.settings = settings
+        self.kafka = kafka
+        self.producer = producer
+        self.metrics = metrics
+        self.topics = Topics(kafka.topic_prefix)
+        self.coordinator = Coordinator(
+            CoordinatorConfig(
+                job_id=ctx.job_id,
+                spec=ctx.spec,
+                train_batches_per_epoch=ctx.train_batches_per_epoch,
+                eval_batches_per_epoch=ctx.eval_batches_per_epoch,
+                member_timeout_s=settings.member_timeout_s,
+                batches_partitions=ctx.batches_partitions,
+            )
+        )
+        self.leader = Leader(
+            ctx,
+            self.coordinator,
+            settings=settings,
+            kafka=kafka,
+            producer=producer,
+            store=store,
+            metrics=metrics,
+            reported=reported,
+        )
+        self.shards: dict[int, SliceShard[Received]] = {}
+        self._early: dict[int, list[Received]] = {}
+        self._wake = asyncio.Event()
+        self._drained_at = -1.0
+        """Start (monotonic s) of the latest control fetch that found nothing left to read."""
+        self._owned_since: float | None = None
+        """Since when (monotonic s) this process owns partition 0."""
+        self._engine_doing = "starting"
+        """What the engine task awaits now (stall warnings)."""
+        self._unchanged_since: dict[int, tuple[int, float]] = {}
+        """Slice -> (version, monotonic s since it is at that version), for stall warnings."""
+        self._tracer = trace.get_tracer(__name__)
+        self._grads_topic = self.topics.grads(ctx.job_id)
+        self._params_topic = self.topics.params(ctx.job_id)
+
+    @property
+    def coordinating(self) -> bool:
+        """Whether this process owns partition 0 of the grads topic now."""
+        return 0 in self.shards
+
+    async def run(self) -> None:
+        plane = self.kafka.for_gradient_plane()  # every step waits on these two readers
+        async with (
+            TopicTail(plane, self.topics.control(self.ctx.job_id)) as control,
+            Consumer(
+                plane,
+                [self._grads_topic],
+                group_id=group_id(self.kafka.topic_prefix, self.ctx.job_id),
+                max_in_flight=self.settings.max_held_slices,
+                dead_letter_producer=self.producer,
+            ) as grads,
+        ):
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._read_control(control))
+                    tasks.create_task(self._read_grads(grads))
+                    tasks.create_task(self._engine(control, grads))
+                    tasks.create_task(self._watch(control, grads))
+            except BaseExceptionGroup as group:
+                # One task's failure cancels the others; callers expect that exception.
+                raise group.exceptions[0] from None
+            finally:
+                await self.leader.stop()
+                self.shards.clear()
+
+    # -- readers -----------------------------------------------------------------------------
+
+    async def _read_control(self, control: TopicTail) -> None:
+        while True:
+            started = time.monotonic()
+            records = await control.get_many(_CONTROL_POLL_S)
+            for record in records:
+                self.coordinator.fold(record.message)
+            if records:
+                self._wake.set()
+            else:
+                self._drained_at = started
+
+    async def _read_grads(self, grads: Consumer) -> None:
+        while True:
+            try:
+                received = await grads.get()
+            except ConsumerStopped:
+                return
+            except BusError as exc:
+                if not exc.retriable:
+                    raise
+                logger.warning("job %s: reading gradients: %s; retrying", self.ctx.job_id, exc)
+                await asyncio.sleep(self.settings.retry_backoff_s)
+                continue
+            self._on_grad(received, grads)
+            self._wake.set()
+
+    def _on_grad(self, received: Received, grads: Consumer) -> None:
+        grad = received.message
+        if not isinstance(grad, GradSlice) or grad.job_id != self.ctx.job_id:
+            logger.warning("job %s: ignoring %s on %s", self.ctx.job_id,
+                           type(grad).__name__, received.topic)  # fmt: skip
+            grads.ack(received)
+            return
+        shard = self.shards.get(received.partition)
+        if shard is None:  # the shard is being opened
+            self._early.setdefault(received.partition, []).append(received)
+            return
+        self.metrics.grad_bytes.inc(_payload_bytes(grad))
+        applied = self.coordinator.applied_version(grad.contribution_id)
+        if (applied is not None and applied <= shard.version) or (
+            grad.base_version < shard.version - self.coordinator.staleness_bound
+        ):
+            grads.ack(received)  # its effect is published already, or it can never apply
+            return
+        try:
+            shard.add(grad, received)
+        except ValueError as exc:
+            logger.error("job %s: dropping a GradSlice: %s", self.ctx.job_id, exc)
+            grads.ack(received)
+
+    # -- engine ------------------------------------------------------------------------------
+
+    async def _engine(self, control: TopicTail, grads: Consumer) -> None:
+        while True:
+            self._engine_doing = "waiting for records"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+            self._wake.clear()
+            self._engine_doing = "following the assignment"
+            await self._follow_assignment(grads)
+            for shard in list(self.shards.values()):
+                await self._advance(shard, grads)
+            if self._may_lead(control):
+                self._engine_doing = "coordinating"
+                if await self.leader.act(control):
+                    self._wake.set()  # a StepClose folded at once: the shards may apply it
+            grads.rest(not self._grads_wanted(grads))
+            self.metrics.held_slices.set(sum(s.buffered for s in self.shards.values()))
+
+    def _grads_wanted(self, grads: Consumer) -> bool:
+        owned = {tp.partition for tp in grads.assignment() if tp.topic == self._grads_topic}
+        return grads_wanted(self.coordinator, self.shards, owned=owned, opening=bool(self._early))
+
+    async def _watch(self, control: TopicTail, grads: Consumer) -> None:
+        while True:
+            await asyncio.sleep(_STALL_WARN_S / 2)
+            self._warn_if_stalled(control, grads)
+
+    def _warn_if_stalled(self, control: TopicTail, grads: Consumer) -> None:
+        """Log a slice that has not moved for _STALL_WARN_S although its next StepClose is
+        folded or the control log has records not read yet: which slices it lacks and how far
+        its readers got (a step takes milliseconds)."""
+        now = time.monotonic()
+        control_at, control_end = control.position(0), control.highwater(0)
+        control_behind = None not in (control_at, control_end) and control_end > control_at  # type: ignore[operator]
+        for index, shard in self.shards.items():
+            version, since = self._unchanged_since.get(index, (-1, now))
+            if shard.version != version:
+                self._unchanged_since[index] = (shard.version, now)
+                continue
+            close = self.coordinator.closes.get(version + 1)
+            if (close is None and not control_behind) or now - since < _STALL_WARN_S:
+                continue
+            self._unchanged_since[index] = (version, now)  # again after another period
+            position, highwater = grads.offsets(self._grads_topic, index)
+            logger.warning(
+                "job %s: slice %d at version %d for %.0f s; next StepClose folded: %s, "
+                "slices missing: %s; grads partition %d: fetch position %s, high-water %s, "
+                "%d records unacked, paused %s, resting %s; control position %s, high-water %s; "
+                "engine: %s",
+                self.ctx.job_id, index, version, now - since, close is not None,
+                shard.missing(close) if close is not None else "-", index, position, highwater,
+                grads.in_flight, grads.paused, grads.resting, control_at, control_end,
+                self._engine_doing,
+            )  # fmt: skip
+
+    def _may_lead(self, control: TopicTail) -> bool:
+        """Whether to decide now: this process owns partition 0 and has folded every control
+        record that existed when it got it (the previous coordinator's last decisions): a
+        fetch begun after that found nothing more."""
+        if not self.coordinating:
+            self._owned_since = None
+            return False
+        if self._owned_since is None:
+            self._owned_since = time.monotonic()
+        return control.caught_up and self._drained_at >= self._owned_since
+
+    async def _follow_assignment(self, grads: Consumer) -> None:
+        assigned = {tp.partition for tp in grads.assignment() if tp.topic == self._grads_topic}
+        for index in [p for p in self.shards if p not in assigned]:
+            logger.info("job %s: slice %d moved to another aggregator", self.ctx.job_id, index)
+            del self.shards[index]
+        for index in [p for p in self._early if p not in assigned]:
+            del self._early[index]
+        for index in sorted(assigned - set(self.shards)):
+            await self._open_shard(index, grads)
+
+    async def _open_shard(self, index: int, grads: Consumer) -> None:
+        start, stop = self.ctx.bounds[index]
+        last = (await last_param_slices(self.kafka, self._params_topic)).get(index)
+        if last is not None:
+            values, version = last.values, last.version
+            if values.numel() != stop - start:
+                raise JobFailed(f"ParamSlice {index}: {values.numel()} values, not {stop - start}")
+        else:
+            values, version = self.ctx.initial[start:stop], 0
+            await self._publish(index, version, values.clone())
+        # In a thread: building the first torch optimizer of a process imports for seconds.
+        self.shards[index] = await asyncio.to_thread(
+            SliceShard[Received],
+            slice_index=index,
+            values=values,
+            version=version,
+            optimizer=aggregator_optimizer(self.ctx.spec),
+        )
+        logger.info("job %s: serving slice %d from version %d", self.ctx.job_id, index, version)
+        for received in self._early.pop(index, []):
+            self._on_grad(received, grads)
+
+    async def _advance(self, shard: SliceShard[Received], grads: Consumer) -> None:
+        """Apply every StepClose the shard can apply now, in version order."""
+        while self.shards.get(shard.slice_index) is shard:
+            close = self.coordinator.closes.get(shard.version + 1)
+            if close is None or shard.missing(close):
+                return
+            started = time.monotonic()
+            slices, records = shard.take(close)
+            links = _links(records)
+            with self._tracer.start_as_current_span(
+                "aggregate",
+                links=links,
+                attributes={
+                    "conveyor.job_id": self.ctx.job_id,
+                    "conveyor.slice": shard.slice_index,
+                    "conveyor.version": close.version,
+                    "conveyor.num_samples": close.num_samples,
+                    "conveyor.contributions": len(close.contributions),
+                },
+            ):
+                self._engine_doing = (
+                    f"applying version {close.version} to slice {shard.slice_index}"
+                )
+                values = await asyncio.to_thread(_step, shard, close, slices)
+                self._engine_doing = f"publishing ParamSlice {shard.slice_index} v{close.version}"
+                await self._publish(shard.slice_index, close.version, values)
+            for received in records:
+                grads.ack(received)
+            for received in shard.drop_dead(self.coordinator.staleness_bound):
+                grads.ack(received)
+            self.metrics.steps.inc()
+            self.metrics.step_seconds.observe(time.monotonic() - started)
+
+    async def _publish(self, index: int, version: int, values: torch.Tensor) -> None:
+        message = ParamSlice(
+            job_id=self.ctx.job_id,
+            slice_index=index,
+            version=version,
+            values=values,
+            published_at=time.time(),
+        )
+        await self.producer.publish(self._params_topic, message, key=str(index), partition=index)
+
+
+def _step(shard: SliceShard[Received], close: StepClose, slices: list[GradSlice]) -> torch.Tensor:
+    try:
+        shard.step(close, slices)
+    except CompressionError as exc:
+        raise JobFailed(f"version {close.version}, slice {shard.slice_index}: {exc}") from exc
+    return shard.values.clone()
+
+
+def _links(records: list[Received]) -> list[Link]:
+    """One link per distinct producer span (duplicates of a record share it)."""
+    links: dict[int, Link] = {}
+    for received in records:
+        context = trace.get_current_span(received.context).get_span_context()
+        if context.is_valid:
+            links.setdefault(context.span_id, Link(context))
+    return list(links.values())
+
+
+def _payload_bytes(grad: GradSlice) -> int:
+    return sum(t.numel() * t.element_size() for t in (grad.values, grad.indices))

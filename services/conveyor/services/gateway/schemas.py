@@ -1,0 +1,108 @@
+"""Request and response bodies of the gateway API, with their limits stated once.
+
+The request body of ``POST /v1/jobs`` is :class:`~conveyor.training.jobspec.JobSpec` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Query
+from pydantic import BaseModel, Field
+
+from conveyor.training.jobview import JobState, JobView
+
+API_PREFIX = "/v1"
+MAX_LIST_LIMIT = 1000
+IDEMPOTENCY_KEY_MAX_CHARS = 200
+
+ListLimit = Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT, description="Most jobs returned.")]
+StateFilter = Annotated[JobState | None, Query(description="Only jobs in this state.")]
+
+
+class Progress(BaseModel):
+    """Training progress summed over the job's trainers (latest report of each)."""
+
+    epoch: int
+    epochs: int = Field(description="Epochs the spec asks for.")
+    step: int
+    total_steps: int | None = Field(description="Known once the job is planned.")
+    samples_trained: int
+    batches_consumed: int
+    consumed_train_batches: int
+    loss: float | None
+    samples_per_second: float
+    data_wait_ratio: float | None = Field(description="Mean over trainers of exposed data wait.")
+    workers: list[str]
+
+
+class EpochResult(BaseModel):
+    epoch: int
+    train_loss: float | None
+    eval_loss: float | None
+    eval_accuracy: float | None
+
+
+class Job(BaseModel):
+    """One job as the view knows it."""
+
+    id: str
+    name: str
+    state: JobState
+    submitted_at: float = Field(description="Unix seconds.")
+    updated_at: float = Field(description="Unix seconds of the last applied event.")
+    cancel_requested: bool
+    reason: str | None = Field(description="Why the job failed or was cancelled.")
+    idempotency_key: str | None
+    progress: Progress
+    epochs: list[EpochResult]
+    plan: dict[str, Any] | None = Field(description="The sharder's plan (data of 'planned').")
+    summary: dict[str, Any] | None = Field(description="Final summary once completed.")
+    spec: dict[str, Any]
+
+    @classmethod
+    def of(cls, view: JobView) -> Job:
+        return cls(
+            id=view.job_id,
+            name=view.name,
+            state=view.state,
+            submitted_at=view.submitted_at,
+            updated_at=view.updated_at,
+            cancel_requested=view.cancel_requested,
+            reason=view.reason,
+            idempotency_key=view.idempotency_key,
+            progress=Progress(**view.progress()),
+            epochs=[
+                EpochResult(epoch=epoch, **results)
+                for epoch, results in sorted(view.epochs.items())
+            ],
+            plan=view.plan,
+            summary=view.summary,
+            spec=view.spec,
+        )
+
+
+class JobList(BaseModel):
+    jobs: list[Job]
+    count: int = Field(description="Number of jobs in this response.")
+
+
+class StageLatency(BaseModel):
+    """Percentiles (seconds) over the recent progress reports of one pipeline stage."""
+
+    count: int = Field(description="Reports in the window.")
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    last: float
+
+
+class JobStages(BaseModel):
+    id: str
+    window: int = Field(description="Most recent reports kept per stage.")
+    stages: dict[str, StageLatency]
+
+
+class ErrorBody(BaseModel):
+    detail: str

@@ -1,0 +1,57 @@
+"""Settings of the preprocessor (``CONVEYOR_PREPROCESSOR_...``), read once at the edge."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from conveyor.platform.config import _FileAwareSettings
+
+
+def group_id(topic_prefix: str) -> str:
+    """Consumer group of the preprocessor pool on the shards topic: ``conveyor-preprocessors``
+    under the default prefix ``conveyor.``, so that stacks sharing a cluster under different
+    prefixes never share a group."""
+    return f"{topic_prefix.rstrip('.') or 'conveyor'}-preprocessors"
+
+
+class PreprocessorSettings(_FileAwareSettings):
+    """How many shard tasks one preprocessor works on and how it treats datasets."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_PREPROCESSOR_", frozen=True, extra="forbid"
+    )
+
+    concurrency: Annotated[int, Field(ge=1, le=256)] = Field(
+        default=2,
+        description=(
+            "Shard tasks processed at once (each in a worker thread). Also the consumer's "
+            "max in-flight, so a process never holds more tasks than it works on."
+        ),
+    )
+    dataset_cache_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=8, description="Open datasets kept per process (least recently used dropped)."
+    )
+    dataset_open_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=60.0, description="Longest wait for a dataset to open (then it counts as failed)."
+    )
+    dataset_attempts: Annotated[int, Field(ge=1, le=100)] = Field(
+        default=3,
+        description=(
+            "Tries of a read whose storage is unavailable (retriable) before the job is failed."
+        ),
+    )
+    retry_backoff_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=0.5, description="Wait before the first retry of a read; doubles after each."
+    )
+    busy_window_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        default=10.0, description="Window of the busy-ratio gauge (seconds)."
+    )
+    shards_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=8, description="Partitions of the shards topic when the preprocessor creates it."
+    )
+    jobs_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=4, description="Partitions of the jobs topic when the preprocessor creates it."
+    )

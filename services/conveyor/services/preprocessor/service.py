@@ -1,0 +1,262 @@
+"""The preprocessor: turns shard tasks into ready batches on the job's batches topic.
+
+Consumes ``Topics.shards`` in group ``conveyor-preprocessors`` (``concurrency`` tasks at once).
+Per task, inside a CONSUMER span ``process <shards topic>`` that continues the task's trace:
+
+1. the job's batches topic must exist, else the job ended: the task is dropped (acked);
+2. read (span ``shard read``) and augment + collate (span ``preprocess``) in a worker thread,
+   so the event loop, and with it the consumer's heartbeats, never stalls;
+3. send every batch (key = batch id, pipelined), then wait for all the broker's acks; a task
+   with a ``routing`` sends each batch to the partition it picks for the batch id
+   (:func:`~conveyor.training.routing.choose_partition`: stable, so a redone task routes alike),
+   one without to the partition of the key's hash;
+4. only then does ``Consumer.run`` ack the task. A process killed before that leaves the task
+   uncommitted: the group redelivers it and the same batch ids are produced again.
+
+A task that cannot be processed (dataset unreadable or corrupt, bad augmentation spec, a
+batch over the message size limit) fails its job: a ``failed`` JobEvent with the reason is
+published once per job and process, and the task is acked, so a bad job never crash-loops the
+pool. Unexpected exceptions (bugs) crash the handler: the task is redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
+
+from aiokafka.structs import RecordMetadata
+from opentelemetry import trace
+
+from conveyor.platform.bus import (
+    BusError,
+    Consumer,
+    Producer,
+    Received,
+    RecordTooLarge,
+    TopicAdmin,
+    TopicSpec,
+    ensure_topics,
+    process_span,
+)
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import Batch, JobEvent, ShardTask, Topics
+from conveyor.platform.service import Service
+from conveyor.platform.telemetry import counter, gauge, histogram
+from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
+from conveyor.services.preprocessor.runtime import BusyMeter, DatasetCache
+from conveyor.services.preprocessor.work import augmenter_for, make_batches, read_shard
+from conveyor.training.datasets import DatasetError
+from conveyor.training.routing import choose_partition
+
+logger = logging.getLogger(__name__)
+
+_FAILED_JOBS_KEPT = 1024
+"""Failed job ids remembered so that their remaining tasks are dropped without a new event."""
+_T = TypeVar("_T")
+
+
+class PreprocessorService(Service):
+    """See the module docstring."""
+
+    name = "preprocessor"
+
+    def __init__(
+        self,
+        *,
+        settings: PreprocessorSettings,
+        kafka: KafkaSettings,
+        storage: StorageSettings,
+        telemetry: TelemetrySettings,
+    ) -> None:
+        super().__init__(telemetry=telemetry)
+        self.settings = settings
+        self.kafka = kafka
+        self.topics = Topics(kafka.topic_prefix)
+        self.group_id = group_id(kafka.topic_prefix)
+        self.datasets = DatasetCache(
+            storage=storage,
+            size=settings.dataset_cache_size,
+            open_timeout_s=settings.dataset_open_timeout_s,
+        )
+        self.busy = BusyMeter(window_s=settings.busy_window_s, slots=settings.concurrency)
+        self._tracer = trace.get_tracer(__name__)
+        self._producer: Producer | None = None
+        self._admin: TopicAdmin | None = None
+        self._consumer: Consumer | None = None
+        self._failed_jobs: OrderedDict[str, None] = OrderedDict()
+        self._batches = counter("preprocessor", "batches_total", "Batches produced (acked).")
+        self._samples = counter("preprocessor", "samples_total", "Samples in produced batches.")
+        self._dropped = counter(
+            "preprocessor", "tasks_dropped_total", "Shard tasks of ended or failed jobs, skipped."
+        )
+        self._shard_seconds = histogram(
+            "preprocessor", "shard_seconds", "Time from taking a shard task to all batches acked."
+        )
+        busy_ratio = gauge(
+            "preprocessor",
+            "busy_ratio",
+            "Share of worker-slot time spent reading and preprocessing, over a recent window.",
+        )
+        busy_ratio.set_function(self.busy.ratio)
+
+    def readiness(self) -> bool:
+        return super().readiness() and self._consumer is not None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await ensure_topics(
+            self.kafka,
+            [
+                TopicSpec(self.topics.jobs, partitions=self.settings.jobs_partitions),
+                TopicSpec(self.topics.shards, partitions=self.settings.shards_partitions),
+            ],
+        )
+        async with (
+            Producer(self.kafka) as producer,
+            TopicAdmin(self.kafka) as admin,
+            Consumer(
+                self.kafka,
+                [self.topics.shards],
+                group_id=self.group_id,
+                max_in_flight=self.settings.concurrency,
+                drain_timeout_s=max(1.0, self.drain_timeout_s - 5.0),
+                dead_letter_producer=producer,
+            ) as consumer,
+        ):
+            self._producer, self._admin, self._consumer = producer, admin, consumer
+            try:
+                await consumer.run(self._handle, concurrency=self.settings.concurrency)
+            finally:
+                self._producer = self._admin = self._consumer = None
+
+    async def drain(self) -> None:
+        # Let the tasks in progress finish and be committed, then leave the group.
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    # -- one task --------------------------------------------------------------------------
+
+    async def _handle(self, received: Received) -> None:
+        task = received.message
+        if not isinstance(task, ShardTask):
+            logger.warning("ignoring %s on %s", type(task).__name__, received.topic)
+            return
+        with process_span(received, consumer_group=self.group_id) as span:
+            span.set_attribute("conveyor.job_id", task.job_id)
+            span.set_attribute("conveyor.shard_id", task.shard_id)
+            await self._process(task)
+
+    async def _process(self, task: ShardTask) -> None:
+        started_s = time.perf_counter()
+        if task.job_id in self._failed_jobs:
+            self._drop(task, "its job failed")
+            return
+        try:
+            topic = self.topics.batches(task.job_id)
+        except ValueError as exc:
+            self._drop(task, str(exc))
+            return
+        if not await self._topic_exists(topic):
+            self._drop(task, f"{topic} does not exist (the job ended)")
+            return
+        try:
+            batches = await self._work(task)
+        except (DatasetError, ValueError) as exc:
+            await self._fail_job(task, f"shard {task.shard_id}: {exc}")
+            return
+        try:
+            sent = await self._send(topic, batches, task.routing)
+        except RecordTooLarge as exc:
+            await self._fail_job(task, f"shard {task.shard_id}: {exc}")
+            return
+        if not sent:
+            self._drop(task, f"{topic} was deleted while sending (the job ended)")
+            return
+        self._batches.inc(len(batches))
+        self._samples.inc(len(task.sample_ids))
+        self._shard_seconds.observe(time.perf_counter() - started_s)
+
+    async def _work(self, task: ShardTask) -> list[Batch]:
+        """Read, augment and collate in worker threads; retries a retriable DatasetError."""
+        augmenter = augmenter_for(task.preprocess)
+        attempt = 1
+        while True:
+            try:
+                dataset = await self.datasets.get(task.dataset_uri)
+                with self._tracer.start_as_current_span("shard read"):
+                    samples = await self._in_thread(read_shard, dataset, task)
+                with self._tracer.start_as_current_span("preprocess"):
+                    return await self._in_thread(make_batches, task, samples, augmenter)
+            except DatasetError as exc:
+                if not exc.retriable or attempt >= self.settings.dataset_attempts:
+                    raise
+                backoff_s = self.settings.retry_backoff_s * 2 ** (attempt - 1)
+                logger.warning("shard %s: %s; retry in %.1fs", task.shard_id, exc, backoff_s)
+                await asyncio.sleep(backoff_s)
+                attempt += 1
+
+    async def _in_thread(self, function: Callable[..., _T], *args: object) -> _T:
+        with self.busy.busy():
+            return await asyncio.to_thread(function, *args)
+
+    async def _send(self, topic: str, batches: list[Batch], routing: list[float]) -> bool:
+        """Send every batch (to the partition ``routing`` picks, when given), wait for every
+        ack. False when the topic vanished (job ended). RecordTooLarge (a batch over the size
+        limit: the job's fault) and other bus errors propagate; the task is then not acked."""
+        assert self._producer is not None
+        acks: list[asyncio.Future[RecordMetadata]] = []
+        error: BusError | None = None
+        try:
+            for batch in batches:
+                batch.timestamps["sent"] = time.time()
+                partition = choose_partition(batch.batch_id, routing) if routing else None
+                acks.append(
+                    await self._producer.send(topic, batch, key=batch.batch_id, partition=partition)
+                )
+        except BusError as exc:
+            error = exc
+        results = await asyncio.gather(*acks, return_exceptions=True)
+        if isinstance(error, RecordTooLarge):
+            raise error
+        error = error or next((r for r in results if isinstance(r, BusError)), None)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, BusError):
+                raise result
+        if error is None:
+            return True
+        if await self._topic_exists(topic):
+            raise error
+        return False
+
+    async def _topic_exists(self, topic: str) -> bool:
+        assert self._admin is not None
+        return topic in await self._admin.list_topics()
+
+    def _drop(self, task: ShardTask, why: str) -> None:
+        self._dropped.inc()
+        logger.info("dropping shard %s: %s", task.shard_id, why)
+
+    async def _fail_job(self, task: ShardTask, reason: str) -> None:
+        """Publish the job's ``failed`` event, once per job and process (concurrent tasks of
+        the job see it marked before the publish completes)."""
+        assert self._producer is not None
+        if task.job_id in self._failed_jobs:
+            self._drop(task, "its job failed")
+            return
+        self._failed_jobs[task.job_id] = None
+        while len(self._failed_jobs) > _FAILED_JOBS_KEPT:
+            self._failed_jobs.popitem(last=False)
+        logger.error("job %s fails: %s", task.job_id, reason)
+        data = {"reason": reason}
+        event = JobEvent(job_id=task.job_id, event="failed", at=time.time(), data=data)
+        try:
+            await self._producer.publish(self.topics.jobs, event, key=task.job_id)
+        except BaseException:
+            # Not published: the task is not acked either, so its redelivery tries again.
+            self._failed_jobs.pop(task.job_id, None)
+            raise

@@ -1,0 +1,177 @@
+"""The sharder's view of its jobs: a pure fold of the events of ``Topics.jobs``.
+
+Acknowledgement policy (what makes a restart replay the right events): the ``submitted``
+record of a job is held unacknowledged until the job is forgotten (terminal), so the
+committed offset of its partition never passes it; every later record of the same job (same
+key, same partition) is therefore replayed after a restart too and may be acknowledged as soon
+as it is folded. Records of unknown jobs, duplicate submissions and other message types are
+acknowledged at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.trace import SpanContext
+
+from conveyor.platform.bus import Received
+from conveyor.platform.messages import JobEvent, Topics
+from conveyor.services.sharder.flow import FlowControl
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.plan import JobPlan
+from conveyor.training.routing import parse_routing
+
+logger = logging.getLogger(__name__)
+
+TERMINAL_EVENTS = frozenset({"completed", "failed", "cancelled"})
+
+
+@dataclass(slots=True, kw_only=True)
+class JobRecord:
+    """One non-forgotten job of this sharder: what the log says, and what was done about it."""
+
+    job_id: str
+    submitted: Received
+    """The held (unacknowledged) ``submitted`` record."""
+    spec: JobSpec | None
+    """The parsed spec; None when it is invalid (``spec_error`` says why)."""
+    spec_error: str | None
+    consumed: int = 0
+    """Batches finished, from the coordinator's latest progress event."""
+    routing: list[float] = field(default_factory=list)
+    """Weights of the batches topic's partitions from the coordinator's latest progress event
+    (empty: unweighted), stamped into every shard task released."""
+    planned_seen: bool = False
+    """A ``planned`` event for the job is in the log (do not publish another)."""
+    cancel_requested: bool = False
+    terminal: bool = False
+    """A completed/failed/cancelled event for the job is in the log."""
+    outcome_published: bool = False
+    """This process published the job's failed/cancelled event (wait for it to come back)."""
+    plan: JobPlan | None = None
+    flow: FlowControl | None = None
+    plan_span: SpanContext | None = field(default=None)
+    """The ``plan job`` span, linked from every ``release shard`` span."""
+
+    @property
+    def source(self) -> tuple[str, int]:
+        """(topic, partition) the job's events come from."""
+        return self.submitted.topic, self.submitted.partition
+
+    @property
+    def active(self) -> bool:
+        """Planned and still releasing (not terminal, not cancelled, not failed by us)."""
+        return (
+            self.plan is not None
+            and not self.terminal
+            and not self.cancel_requested
+            and not self.outcome_published
+        )
+
+
+class JobTable:
+    """Jobs by id, folded from the jobs topic in log order (per job: partition order)."""
+
+    def __init__(self, topics: Topics) -> None:
+        self._topics = topics
+        self._jobs: dict[str, JobRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def records(self) -> list[JobRecord]:
+        """A snapshot of the jobs, oldest submission first."""
+        return list(self._jobs.values())
+
+    def get(self, job_id: str) -> JobRecord | None:
+        return self._jobs.get(job_id)
+
+    def forget(self, job_id: str) -> JobRecord | None:
+        """Drop the job (its held record is the caller's to acknowledge, or not)."""
+        return self._jobs.pop(job_id, None)
+
+    def apply(self, received: Received) -> bool:
+        """Fold one record; True when it may be acknowledged now (see the module docstring)."""
+        event = received.message
+        if not isinstance(event, JobEvent):
+            logger.warning("ignoring %s on %s", type(event).__name__, received.topic)
+            return True
+        job = self._jobs.get(event.job_id)
+        if event.event == "submitted":
+            return self._submitted(job, event, received)
+        if job is None:
+            return True
+        if event.event == "planned":
+            job.planned_seen = True
+        elif event.event == "progress":
+            _fold_progress(job, event.data)
+        elif event.event == "cancel_requested":
+            job.cancel_requested = True
+        elif event.event in TERMINAL_EVENTS:
+            job.terminal = True
+        return True
+
+    def _submitted(self, job: JobRecord | None, event: JobEvent, received: Received) -> bool:
+        if job is not None:
+            same = (job.submitted.partition, job.submitted.offset) == (
+                received.partition,
+                received.offset,
+            )
+            if same:
+                # Redelivered (the partition came back after a rebalance): hold the new copy,
+                # the old one's acknowledgement would be ignored by the consumer.
+                job.submitted = received
+                return False
+            logger.info("job %s: ignoring a repeated submission", event.job_id)
+            return True
+        spec, error = _parse_spec(event, self._topics)
+        self._jobs[event.job_id] = JobRecord(
+            job_id=event.job_id,
+            submitted=received,
+            spec=spec,
+            spec_error=error,
+        )
+        return False
+
+
+def _parse_spec(event: JobEvent, topics: Topics) -> tuple[JobSpec | None, str | None]:
+    try:
+        topics.batches(event.job_id)
+    except ValueError as exc:
+        return None, str(exc)
+    raw: Any = event.data.get("spec")
+    if not isinstance(raw, dict):
+        return None, "invalid job spec: the submitted event carries no spec mapping"
+    try:
+        return JobSpec.from_dict(raw), None
+    except ValueError as exc:
+        return None, f"invalid job spec: {exc}"
+
+
+COORDINATOR_SOURCE = "coordinator"
+"""``source`` of the progress events of the job's coordinator (the aggregator process owning
+partition 0 of the job's grads topic): the only progress the flow control counts."""
+
+
+def consumed_batches(data: dict[str, Any]) -> int | None:
+    """The ``consumed_batches`` count of a coordinator progress event (train batches applied
+    + eval batches evaluated, all epochs); None when absent or not an int."""
+    value = data.get("consumed_batches")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def _fold_progress(job: JobRecord, data: dict[str, Any]) -> None:
+    if data.get("source") != COORDINATOR_SOURCE:
+        return  # trainers report their own work; the coordinator's count is the job's
+    consumed = consumed_batches(data)
+    if consumed is None:
+        logger.warning("job %s: coordinator progress without consumed_batches", job.job_id)
+        return
+    # Latest wins: a new coordinator after a failover rebuilds the same count from the log.
+    job.consumed = max(0, consumed)
+    # Latest wins too: a report without routing (equal allocation, no trainer known) clears it.
+    job.routing = parse_routing(data.get("routing")) or []

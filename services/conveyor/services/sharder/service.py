@@ -1,0 +1,375 @@
+"""The sharder: plans submitted jobs and releases their shard tasks with flow control.
+
+One loop (``run``) reads ``Topics.jobs`` in group ``conveyor-sharder`` (a job's partition
+picks its sharder; a rebalance is failover) and folds every event into the
+:class:`~.jobs.JobTable`. Whenever it has caught up with the log (consumer lag 0) or
+``tick_s`` passed, it acts on every job, idempotently:
+
+- terminal job (completed/failed/cancelled in the log): delete its topics, forget it, ack its
+  ``submitted`` record (only now may the committed offset pass it);
+- cancel requested: publish ``cancelled`` (once), release nothing more;
+- not planned yet: parse the spec, open the dataset in a thread (``dataset_open_timeout_s``),
+  make the :class:`~.plan.JobPlan`, create the job topics, publish ``planned`` (unless the log
+  already has one); a bad spec or unreadable dataset publishes ``failed`` with the reason;
+- planned: release the tasks :class:`~.flow.FlowControl` allows, await their acks; each task
+  carries the routing of the coordinator's latest progress (:mod:`conveyor.training.routing`).
+
+Acting only when caught up means a restarted sharder first replays a job's events (its
+``submitted`` record was never committed past) and then continues from the consumed cursor of
+the latest progress, instead of re-releasing the job from its first shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from aiokafka import TopicPartition
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link
+
+from conveyor.platform.bus import (
+    BusError,
+    Consumer,
+    ConsumerStopped,
+    Producer,
+    TopicAdmin,
+    TopicSpec,
+    ensure_topics,
+    process_span,
+)
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import JobEvent, ShardTask, Topics
+from conveyor.platform.service import Service
+from conveyor.platform.telemetry import counter, gauge
+from conveyor.services.sharder.config import SharderSettings, group_id
+from conveyor.services.sharder.flow import FlowControl
+from conveyor.services.sharder.jobs import JobRecord, JobTable
+from conveyor.training.datasets import Dataset, DatasetError, open_dataset
+from conveyor.training.plan import JobPlan
+from conveyor.training.slicing import build_job_model
+
+logger = logging.getLogger(__name__)
+
+_RETRY_BACKOFF_S = 1.0
+_MAX_DATASET_ATTEMPTS = 3
+"""Attempts to open a dataset whose storage is unavailable before the job fails."""
+
+
+class _PlanFailed(Exception):
+    """Planning cannot succeed; the reason goes into the job's ``failed`` event."""
+
+
+class SharderService(Service):
+    """Plans jobs and releases shard tasks; see the module docstring."""
+
+    name = "sharder"
+
+    def __init__(
+        self,
+        *,
+        settings: SharderSettings,
+        kafka: KafkaSettings,
+        storage: StorageSettings,
+        telemetry: TelemetrySettings,
+    ) -> None:
+        super().__init__(telemetry=telemetry)
+        self.settings = settings
+        self.kafka = kafka
+        self.storage = storage
+        self.topics = Topics(kafka.topic_prefix)
+        self.group_id = group_id(kafka.topic_prefix)
+        self.table = JobTable(self.topics)
+        self._tracer = trace.get_tracer(__name__)
+        self._producer: Producer | None = None
+        self._admin: TopicAdmin | None = None
+        self._consumer: Consumer | None = None
+        self._dataset_attempts: dict[str, int] = {}
+        self._ended_at: dict[str, float] = {}
+        """Terminal jobs whose topics are kept for the grace period -> when seen ended."""
+        self._released = counter("sharder", "shards_released_total", "Shard tasks released.")
+        self._lead = gauge(
+            "sharder", "lead_batches", "Released batches not yet consumed, summed over jobs."
+        )
+        self._jobs_active = gauge("sharder", "jobs_active", "Planned jobs still releasing.")
+
+    def readiness(self) -> bool:
+        return super().readiness() and self._producer is not None
+
+    async def drain(self) -> None:
+        # Commit what is acked and leave the group now, so the jobs move to another sharder at
+        # once; the loop then ends on ConsumerStopped.
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    # -- main loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await ensure_topics(
+            self.kafka,
+            [
+                TopicSpec(self.topics.jobs, partitions=self.settings.jobs_partitions),
+                TopicSpec(self.topics.shards, partitions=self.settings.shards_partitions),
+            ],
+        )
+        async with (
+            Producer(self.kafka) as producer,
+            TopicAdmin(self.kafka) as admin,
+            Consumer(
+                self.kafka,
+                [self.topics.jobs],
+                group_id=self.group_id,
+                max_in_flight=self.settings.max_held_events,
+                dead_letter_producer=producer,
+            ) as consumer,
+        ):
+            self._producer, self._admin, self._consumer = producer, admin, consumer
+            try:
+                await self._loop(consumer)
+            finally:
+                self._producer = self._admin = self._consumer = None
+                self._jobs_active.set(0)
+                self._lead.set(0)
+
+    async def _loop(self, consumer: Consumer) -> None:
+        while True:
+            try:
+                received = await asyncio.wait_for(consumer.get(), self.settings.tick_s)
+            except TimeoutError:
+                received = None
+            except ConsumerStopped:
+                return
+            except BusError as exc:
+                if not exc.retriable:
+                    raise
+                logger.warning("reading %s: %s; retrying", self.topics.jobs, exc)
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+                continue
+            if received is not None:
+                if self.table.apply(received):
+                    consumer.ack(received)
+                if consumer.lag() > 0:
+                    continue  # later events may cancel, finish or advance a job: read them first
+            try:
+                await self._act(consumer)
+            except BusError as exc:
+                if not exc.retriable:
+                    raise
+                # Every step is idempotent and state only moves after success: redo next pass.
+                logger.warning("acting on jobs: %s; retrying", exc)
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+
+    async def _act(self, consumer: Consumer) -> None:
+        assigned = consumer.assignment()
+        finished: list[JobRecord] = []
+        for job in self.table.records():
+            if TopicPartition(*job.source) not in assigned:
+                # The partition moved to another sharder, which replays the job's events.
+                logger.info("job %s: handed over to another sharder", job.job_id)
+                self.table.forget(job.job_id)
+                self._ended_at.pop(job.job_id, None)
+            elif job.terminal:
+                ended_at = self._ended_at.setdefault(job.job_id, time.monotonic())
+                if time.monotonic() - ended_at >= self.settings.finished_topics_grace_s:
+                    finished.append(job)
+            elif job.outcome_published:
+                continue  # our failed/cancelled event is on its way back
+            elif job.cancel_requested:
+                await self._publish_outcome(job, "cancelled", "cancel requested")
+            else:
+                if job.plan is None:
+                    await self._plan(job)
+                if job.active:
+                    await self._release(job)
+        if finished:
+            await self._finish(consumer, finished)
+        active = [job for job in self.table.records() if job.active]
+        self._jobs_active.set(len(active))
+        self._lead.set(sum(_lead(job) for job in active))
+
+    # -- planning --------------------------------------------------------------------------
+
+    async def _plan(self, job: JobRecord) -> None:
+        with (
+            process_span(job.submitted, consumer_group=self.group_id),
+            self._tracer.start_as_current_span(
+                "plan job", attributes={"conveyor.job_id": job.job_id}
+            ) as span,
+        ):
+            job.plan_span = span.get_span_context()
+            try:
+                made = await self._make_plan(job)
+            except _PlanFailed as exc:
+                await self._publish_outcome(job, "failed", str(exc))
+                return
+            if made is None:
+                return  # storage unavailable: try again on the next pass
+            plan, dataset = made
+            await self._create_job_topics(job)
+            if not job.planned_seen:
+                await self._publish(job.job_id, "planned", self._planned_data(job, plan, dataset))
+            assert job.spec is not None
+            job.plan = plan
+            job.flow = FlowControl(plan, max_lead_batches=job.spec.flow.max_lead_batches)
+            logger.info(
+                "job %s: planned %d train / %d eval samples, %d tasks",
+                job.job_id, plan.num_train, plan.num_eval, plan.num_tasks,
+            )  # fmt: skip
+
+    async def _make_plan(self, job: JobRecord) -> tuple[JobPlan, Dataset] | None:
+        """The plan and the opened dataset; None to retry later; _PlanFailed otherwise."""
+        if job.spec is None:
+            raise _PlanFailed(job.spec_error or "invalid job spec")
+        uri = job.spec.dataset.uri
+        timeout_s = self.settings.dataset_open_timeout_s
+        try:
+            dataset = await asyncio.wait_for(
+                asyncio.to_thread(open_dataset, uri, storage=self.storage), timeout_s
+            )
+        except TimeoutError:
+            raise _PlanFailed(f"dataset {uri} did not open within {timeout_s:g}s") from None
+        except DatasetError as exc:
+            attempts = self._dataset_attempts.get(job.job_id, 0) + 1
+            if exc.retriable and attempts < _MAX_DATASET_ATTEMPTS:
+                self._dataset_attempts[job.job_id] = attempts
+                logger.warning(
+                    "job %s: dataset %s unavailable (%s); retrying", job.job_id, uri, exc
+                )
+                return None
+            raise _PlanFailed(f"cannot read dataset {uri}: {exc}") from exc
+        except Exception as exc:
+            # A dataset library bug or a corrupt file it did not wrap: fail the job, keep serving.
+            logger.exception("job %s: opening dataset %s failed", job.job_id, uri)
+            raise _PlanFailed(f"cannot read dataset {uri}: {type(exc).__name__}: {exc}") from exc
+        self._dataset_attempts.pop(job.job_id, None)
+        try:
+            plan = JobPlan.from_spec(job.job_id, job.spec, dataset.num_samples)
+        except ValueError as exc:
+            raise _PlanFailed(f"cannot plan dataset {uri}: {exc}") from exc
+        try:
+            # Shapes only (meta device): an unknown option or a model with buffers, which the
+            # aggregator cannot aggregate, fails the job now rather than at training time.
+            build_job_model(
+                job.spec,
+                num_classes=dataset.num_classes,
+                sample_shape=dataset.sample_shape,
+                device="meta",
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise _PlanFailed(f"cannot train model {job.spec.model.name!r}: {exc}") from exc
+        return plan, dataset
+
+    def _planned_data(self, job: JobRecord, plan: JobPlan, dataset: Dataset) -> dict[str, Any]:
+        assert job.spec is not None
+        return {
+            "num_train": plan.num_train,
+            "num_eval": plan.num_eval,
+            "num_classes": dataset.num_classes,
+            "sample_shape": list(dataset.sample_shape),
+            "train_batches_per_epoch": plan.train_batches_per_epoch,
+            "eval_batches_per_epoch": plan.eval_batches_per_epoch,
+            "steps_per_epoch": plan.steps_per_epoch(job.spec.micro_batches_per_step),
+            "shards_per_epoch": plan.tasks_per_epoch,
+            "batches_topic": self.topics.batches(job.job_id),
+            "control_topic": self.topics.control(job.job_id),
+            "batches_partitions": self._batches_partitions(job),
+        }
+
+    def _batches_partitions(self, job: JobRecord) -> int:
+        assert job.spec is not None
+        return self.settings.batches_partitions(job.spec.distribution.trainers)
+
+    async def _create_job_topics(self, job: JobRecord) -> None:
+        assert self._admin is not None
+        assert job.spec is not None
+        # One partition of grads and params per parameter slice (aggregator shard).
+        slices = job.spec.distribution.aggregator_shards
+        await self._admin.create_topics([
+            TopicSpec(self.topics.batches(job.job_id), partitions=self._batches_partitions(job)),
+            TopicSpec(self.topics.control(job.job_id), partitions=1),
+            TopicSpec(self.topics.grads(job.job_id), partitions=slices),
+            TopicSpec(self.topics.params(job.job_id), partitions=slices),
+        ])  # fmt: skip
+
+    # -- releasing -------------------------------------------------------------------------
+
+    async def _release(self, job: JobRecord) -> None:
+        plan, flow, spec, producer = job.plan, job.flow, job.spec, self._producer
+        assert plan is not None and flow is not None and spec is not None and producer is not None
+        tasks = flow.releasable(job.consumed)
+        if not tasks:
+            return
+        preprocess = spec.preprocess.model_dump(mode="json")
+        # A routing for another partition count (a coordinator with another plan of the
+        # job, a bug) would make preprocessors send to partitions that do not exist.
+        partitions = self._batches_partitions(job)
+        routing = job.routing if len(job.routing) == partitions else []
+        if job.routing and not routing:
+            logger.warning("job %s: ignoring a routing of %d partitions (topic has %d)",
+                           job.job_id, len(job.routing), partitions)  # fmt: skip
+        links = [Link(job.plan_span)] if job.plan_span is not None else []
+        acks = []
+        for task_index in tasks:
+            shard = plan.task(task_index)
+            message = ShardTask(
+                job_id=job.job_id,
+                shard_id=shard.shard_id,
+                epoch=shard.epoch,
+                index=shard.index,
+                split=shard.split,
+                dataset_uri=spec.dataset.uri,
+                sample_ids=shard.sample_ids,
+                micro_batch_size=plan.micro_batch_size,
+                seed=plan.seed,
+                preprocess=preprocess,
+                released_at=time.time(),
+                routing=routing,
+            )
+            # Each shard starts its own trace (the one its batches follow), linked to the plan.
+            with self._tracer.start_as_current_span(
+                "release shard",
+                context=otel_context.Context(),
+                links=links,
+                attributes={"conveyor.job_id": job.job_id, "conveyor.shard_id": shard.shard_id},
+            ):
+                acks.append(await producer.send(self.topics.shards, message, key=shard.shard_id))
+        await asyncio.gather(*acks)
+        flow.mark_released(tasks)
+        self._released.inc(len(tasks))
+        logger.debug("job %s: released tasks %d..%d", job.job_id, tasks.start, tasks.stop - 1)
+
+    # -- outcomes --------------------------------------------------------------------------
+
+    async def _finish(self, consumer: Consumer, jobs: list[JobRecord]) -> None:
+        """Delete the topics of terminal jobs, forget them, ack their submitted records."""
+        assert self._admin is not None
+        names: list[str] = []
+        for job in jobs:
+            # A job id no topic name can carry never had topics.
+            with contextlib.suppress(ValueError):
+                names.extend(self.topics.job_topics(job.job_id))
+        await self._admin.delete_topics(names)
+        for job in jobs:
+            self.table.forget(job.job_id)
+            self._dataset_attempts.pop(job.job_id, None)
+            self._ended_at.pop(job.job_id, None)
+            consumer.ack(job.submitted)
+            logger.info("job %s: finished; topics deleted", job.job_id)
+
+    async def _publish_outcome(self, job: JobRecord, event: str, reason: str) -> None:
+        logger.warning("job %s: %s: %s", job.job_id, event, reason)
+        await self._publish(job.job_id, event, {"reason": reason})
+        job.outcome_published = True
+
+    async def _publish(self, job_id: str, event: str, data: dict[str, Any]) -> None:
+        assert self._producer is not None
+        message = JobEvent(job_id=job_id, event=event, at=time.time(), data=data)
+        await self._producer.publish(self.topics.jobs, message, key=job_id)
+
+
+def _lead(job: JobRecord) -> int:
+    return 0 if job.flow is None else job.flow.lead_batches(job.consumed)

@@ -1,0 +1,180 @@
+"""The trainer's torch side: device and resources, the model step, evaluation, parameters in
+and gradients out.
+
+Every function here blocks; the service calls them from one compute thread (a single-worker
+executor), never on the event loop.
+
+Gradient accumulation: each micro-batch adds the gradient of its *summed* loss, so a
+contribution's gradient is the sum over its samples; the aggregator divides the sum of all
+contributions by the step's sample count (a step equals one batch of all its samples, loss
+averaged by sample count, whatever the split between trainers and micro-batches).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from conveyor.services.trainer.gradients import EncodedGrad, SliceEncoder
+from conveyor.training.jobspec import NormalizeSpec, ResourcesSpec
+from conveyor.training.slicing import ParamLayout
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` -> cuda when present, else cpu. ValueError when CUDA is asked for but absent."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {requested!r} requested but CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {requested!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
+            )
+    return device
+
+
+def apply_resources(resources: ResourcesSpec, device: torch.device) -> None:
+    """Thread count (process-wide) and the GPU memory cap of this process."""
+    if resources.threads is not None:
+        torch.set_num_threads(resources.threads)
+    if resources.memory_fraction is not None and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(resources.memory_fraction, device)
+
+
+class Normalizer:
+    """uint8 images -> float on the device: ``(x / 255 - mean) / std`` per channel."""
+
+    def __init__(self, spec: NormalizeSpec | None, channels: int, device: torch.device) -> None:
+        mean = spec.mean if spec is not None else [0.0]
+        std = spec.std if spec is not None else [1.0]
+        if len(mean) not in (1, channels):
+            raise ValueError(f"normalize has {len(mean)} values for {channels} channel(s)")
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: uint8 [B,C,H,W] -> float32 [B,C,H,W]
+        return (x.to(torch.float32) / 255.0 - self.mean) / self.std
+
+
+@dataclass(frozen=True, slots=True)
+class MicroResult:
+    """One micro-batch's forward/backward or evaluation."""
+
+    loss_sum: float
+    """Summed cross-entropy over the batch's samples."""
+    correct: int
+    """Samples whose arg-max prediction was the label."""
+    samples: int
+    compute_s: float
+    """Wall time of the work, device synchronised (seconds)."""
+
+
+class Engine:
+    """Forward/backward and evaluation of one model on one device, at the job's precision;
+    loads parameter versions in and encodes the step's gradient out.
+
+    ``simulated_delay_s`` (a simulation/benchmark knob, normally 0): extra seconds slept after
+    every micro-batch's forward/backward or evaluation, inside the timed compute, to emulate
+    a slower accelerator (one machine simulating a heterogeneous pool).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        bf16: bool,
+        normalizer: Normalizer,
+        layout: ParamLayout,
+        encoder: SliceEncoder,
+        simulated_delay_s: float = 0.0,
+    ) -> None:
+        if simulated_delay_s < 0:
+            raise ValueError(f"simulated_delay_s must be >= 0, got {simulated_delay_s}")
+        self.model = model
+        self.device = device
+        self.bf16 = bf16
+        self.normalize = normalizer
+        self.layout = layout
+        self.encoder = encoder
+        self.simulated_delay_s = simulated_delay_s
+
+    def _simulate_slower_device(self) -> None:
+        if self.simulated_delay_s > 0:
+            time.sleep(self.simulated_delay_s)
+
+    def _forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of ``model`` on ``x`` uint8 [B,C,H,W], ``y`` [B] and the
+        number of correct predictions, as a float32 tensor [2] (loss keeps its graph)."""
+        if self.device.type == "cuda":
+            # The batch was copied on a side stream; keep its memory until this stream is done.
+            stream = torch.cuda.current_stream(self.device)
+            x.record_stream(stream)
+            y.record_stream(stream)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = model(self.normalize(x)).float()  # [B,num_classes]
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        correct = (logits.detach().argmax(dim=1) == y).sum()
+        return torch.stack([loss, correct.to(loss.dtype)])
+
+    def load(self, flat: torch.Tensor) -> float:
+        """Set the parameters to fp32 [N] ``flat`` (any device) and clear the gradients;
+        returns the seconds it took."""
+        started = time.perf_counter()
+        self.layout.load_flat(self.model, flat.to(self.device))
+        self.model.zero_grad(set_to_none=True)
+        self._synchronize()
+        return time.perf_counter() - started
+
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> MicroResult:
+        """Add the gradient of the summed loss of batch ``x`` uint8 [B,C,H,W], ``y`` [B]."""
+        started = time.perf_counter()
+        self.model.train()
+        loss_and_correct = self._forward(self.model, x, y)
+        loss_and_correct[0].backward()  # type: ignore[no-untyped-call]
+        loss_sum, correct = loss_and_correct.detach().tolist()  # one device synchronisation
+        self._simulate_slower_device()
+        return MicroResult(loss_sum, int(correct), int(y.shape[0]), time.perf_counter() - started)
+
+    def gradient(self, num_samples: int) -> tuple[EncodedGrad, float]:
+        """The gradient accumulated over ``num_samples`` samples, flattened, sliced and encoded
+        (slices on the CPU); clears the gradients. Returns it and the seconds it took."""
+        started = time.perf_counter()
+        flat = self.layout.flatten_grads(self.model)  # [N]
+        encoded = self.encoder.encode(flat, num_samples)  # -> K slices
+        self.model.zero_grad(set_to_none=True)
+        return encoded, time.perf_counter() - started
+
+    def discard_gradient(self) -> None:
+        """Clear the accumulated gradient (a step abandoned before it was sent)."""
+        self.model.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> MicroResult:
+        """Loss and accuracy of ``model`` (a snapshot) on one eval batch; no gradient."""
+        started = time.perf_counter()
+        loss_sum, correct = self._forward(model, x, y).tolist()
+        self._simulate_slower_device()
+        return MicroResult(loss_sum, int(correct), int(y.shape[0]), time.perf_counter() - started)
+
+    def snapshot(self, flat: torch.Tensor) -> nn.Module:
+        """A frozen copy of the model holding fp32 [N] ``flat``, in eval mode (evaluating an
+        epoch on its end-of-epoch parameters)."""
+        frozen = copy.deepcopy(self.model)
+        frozen.zero_grad(set_to_none=True)
+        self.layout.load_flat(frozen, flat.to(self.device))
+        frozen.eval()
+        frozen.requires_grad_(False)
+        return frozen
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

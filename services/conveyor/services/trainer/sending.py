@@ -1,0 +1,156 @@
+"""What a trainer puts on the gradient plane: GradSlices, Contributions, EvalResults.
+
+A contribution's slices go out pipelined (one ``Producer.send`` per slice, partition = slice
+index, then every ack awaited); only then is its Contribution published on the control topic,
+so a Contribution on the log promises that every slice of it is on the grads topic. The
+``grad send`` span covers both and links to the process spans of the contribution's batches
+(a fan-in of several traces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from opentelemetry.trace import Link, Tracer
+
+from conveyor.platform.bus import Producer
+from conveyor.platform.messages import Contribution, EvalResult, GradSlice
+from conveyor.services.trainer.compute import MicroResult
+from conveyor.services.trainer.gradients import EncodedGrad
+from conveyor.services.trainer.input import ReadyBatch
+from conveyor.services.trainer.session import JobSession
+from conveyor.services.trainer.steps import Pending
+
+
+class ContributionSender:
+    """Sends one trainer's messages for one job. ``next_sequence`` numbers its contributions
+    (``<worker_id>:<sequence>``); set it past the log's highest before the first send."""
+
+    def __init__(
+        self, producer: Producer, session: JobSession, *, worker_id: str, tracer: Tracer
+    ) -> None:
+        self._producer = producer
+        self._session = session
+        self.worker_id = worker_id
+        self._tracer = tracer
+        self.next_sequence = 0
+
+    def _next_id(self) -> str:
+        contribution_id = f"{self.worker_id}:{self.next_sequence}"
+        self.next_sequence += 1
+        return contribution_id
+
+    async def send(
+        self,
+        base_version: int,
+        batches: list[ReadyBatch],
+        results: list[MicroResult],
+        encoded: EncodedGrad,
+    ) -> tuple[Pending[ReadyBatch], float]:
+        """Send the slices, await their acks, publish the Contribution; returns it as
+        :class:`Pending` and the seconds it took. Raises ``BusError`` when the broker fails."""
+        session, contribution_id = self._session, self._next_id()
+        started = time.perf_counter()
+        num_samples = sum(r.samples for r in results)
+        loss_sum = sum(r.loss_sum for r in results)
+        links = [Link(batch.span.get_span_context()) for batch in batches]
+        attributes: dict[str, str | int] = {
+            "conveyor.contribution_id": contribution_id,
+            "conveyor.base_version": base_version,
+            "conveyor.samples": num_samples,
+            "conveyor.grad_bytes": encoded.nbytes,
+        }
+        with self._tracer.start_as_current_span("grad send", links=links, attributes=attributes):
+            acks = []
+            for index, part in enumerate(encoded.slices):
+                message = GradSlice(
+                    job_id=session.job_id,
+                    contribution_id=contribution_id,
+                    worker_id=self.worker_id,
+                    base_version=base_version,
+                    slice_index=index,
+                    numel=part.numel,
+                    encoding=part.encoding,
+                    values=part.values,
+                    indices=part.indices,
+                    sent_at=time.time(),
+                )
+                acks.append(
+                    await self._producer.send(
+                        session.grads_topic, message, key=str(index), partition=index
+                    )
+                )
+            await asyncio.gather(*acks)
+            await self._producer.publish(
+                session.plan.control_topic,
+                Contribution(
+                    job_id=session.job_id,
+                    contribution_id=contribution_id,
+                    worker_id=self.worker_id,
+                    base_version=base_version,
+                    num_samples=num_samples,
+                    batch_ids=[batch.batch_id for batch in batches],
+                    loss_sum=loss_sum,
+                    grad_bytes=encoded.nbytes,
+                    sent_at=time.time(),
+                ),
+                key=self.worker_id,
+            )
+        pending = Pending(
+            contribution_id=contribution_id,
+            base_version=base_version,
+            batches=batches,
+            num_samples=num_samples,
+            loss_sum=loss_sum,
+            grad_bytes=encoded.nbytes,
+            sent_at=time.time(),
+            feedback=encoded if encoded.feedback_inputs is not None else None,
+        )
+        return pending, time.perf_counter() - started
+
+    async def send_empty(self, base_version: int) -> Pending[ReadyBatch]:
+        """Publish an empty Contribution (no batch was ready; it has no GradSlices)."""
+        session, contribution_id = self._session, self._next_id()
+        await self._producer.publish(
+            session.plan.control_topic,
+            Contribution(
+                job_id=session.job_id,
+                contribution_id=contribution_id,
+                worker_id=self.worker_id,
+                base_version=base_version,
+                num_samples=0,
+                batch_ids=[],
+                loss_sum=0.0,
+                grad_bytes=0,
+                sent_at=time.time(),
+            ),
+            key=self.worker_id,
+        )
+        return Pending(
+            contribution_id=contribution_id,
+            base_version=base_version,
+            batches=[],
+            num_samples=0,
+            loss_sum=0.0,
+            grad_bytes=0,
+            sent_at=time.time(),
+        )
+
+    async def send_eval(self, batch: ReadyBatch, result: MicroResult, *, version: int) -> None:
+        """Publish the EvalResult of one eval batch evaluated on ``version``."""
+        session = self._session
+        await self._producer.publish(
+            session.plan.control_topic,
+            EvalResult(
+                job_id=session.job_id,
+                worker_id=self.worker_id,
+                epoch=batch.epoch,
+                version=version,
+                batch_ids=[batch.batch_id],
+                loss_sum=result.loss_sum,
+                correct=result.correct,
+                num_samples=result.samples,
+            ),
+            key=self.worker_id,
+        )

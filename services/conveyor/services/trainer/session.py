@@ -1,0 +1,135 @@
+"""Everything a trainer builds when it joins a job: spec, plan, topics, device, model, engine.
+
+:func:`prepare_job` is blocking (it builds the model): call it from the compute thread. Any
+problem that no retry can fix (an invalid spec or plan, an unknown model option, a model with
+buffers, no CUDA where the job demands it) raises :class:`JobFailed` with a reason for the
+``failed`` event.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from conveyor.platform.errors import ConveyorError
+from conveyor.platform.messages import Topics
+from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
+from conveyor.services.trainer.config import TrainerSettings
+from conveyor.services.trainer.gradients import SliceEncoder
+from conveyor.services.trainer.jobwatch import JobPlan
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.jobview import JobView
+from conveyor.training.slicing import ParamLayout, build_job_model
+
+
+class TrainerError(ConveyorError):
+    """Base of the trainer's own errors."""
+
+
+class JobFailed(TrainerError):
+    """The job cannot be trained; ``str(exc)`` is the reason published with ``failed``."""
+
+    retriable: ClassVar[bool] = False
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSession:
+    """A joined job's fixed parts."""
+
+    job_id: str
+    spec: JobSpec
+    plan: JobPlan
+    topics: Topics
+    device: torch.device
+    model: nn.Module
+    """The trainer's working copy; its parameters are overwritten by every version loaded."""
+    layout: ParamLayout
+    bounds: list[tuple[int, int]]
+    """Slice p of the flat parameters/gradients = ``[start, stop)`` (K = aggregator shards)."""
+    engine: Engine
+    max_in_flight: int
+    """Unacknowledged batches the consumer may hold (see :func:`max_in_flight`)."""
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def grads_topic(self) -> str:
+        return self.topics.grads(self.job_id)
+
+    @property
+    def params_topic(self) -> str:
+        return self.topics.params(self.job_id)
+
+
+def max_in_flight(spec: JobSpec, plan: JobPlan, settings: TrainerSettings) -> int:
+    """Batches delivered but not yet acknowledged that the trainer must be able to hold.
+
+    A batch is acknowledged once the control log shows its effect, so the consumer must hold:
+    what the sharder may release ahead of what was applied (its lead plus one shard: tasks are
+    released whole; later-epoch batches wait here), one epoch of eval batches, the batches of
+    the contributions that may be outstanding (ssp: staleness + 1 of them, plus one being
+    computed), the prefetch depth and a margin.
+    """
+    shard_batches = math.ceil(spec.shard_size / spec.training.micro_batch_size)
+    staleness = spec.distribution.staleness if spec.distribution.mode == "ssp" else 0
+    return (
+        spec.flow.max_lead_batches
+        + shard_batches
+        + plan.eval_batches_per_epoch
+        + (staleness + 2) * spec.micro_batches_per_step
+        + settings.prefetch_batches
+        + settings.in_flight_margin_batches
+    )
+
+
+def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobSession:
+    """Parse the job's spec and plan, set the device up, build the model and its engine.
+
+    The model starts at version 0 (seeded by ``spec.training.seed``), as the aggregator's;
+    the trainer still loads every version, 0 included, from the params topic. Raises
+    :class:`JobFailed`.
+    """
+    try:
+        spec = JobSpec.from_dict(job.spec)
+        plan = JobPlan.from_event_data(job.plan or {})
+    except ValueError as exc:
+        raise JobFailed(f"invalid job: {exc}") from exc
+    try:
+        device = resolve_device(settings.device or spec.resources.device)
+        apply_resources(spec.resources, device)
+        model = build_job_model(
+            spec, num_classes=plan.num_classes, sample_shape=plan.sample_shape
+        ).to(device)
+        layout = ParamLayout.from_model(model)
+        bounds = layout.slice_bounds(spec.distribution.aggregator_shards)
+        normalizer = Normalizer(spec.preprocess.normalize, plan.sample_shape[0], device)
+        engine = Engine(
+            model,
+            device,
+            bf16=spec.training.precision == "bf16",
+            normalizer=normalizer,
+            layout=layout,
+            encoder=SliceEncoder.for_job(spec, bounds),
+            simulated_delay_s=settings.simulated_step_delay_s,
+        )
+    except (ValueError, TypeError, RuntimeError) as exc:
+        # TypeError: a model option of the wrong kind; RuntimeError: torch (CUDA OOM, ...).
+        raise JobFailed(f"cannot set up training: {exc}") from exc
+    return JobSession(
+        job_id=job.job_id,
+        spec=spec,
+        plan=plan,
+        topics=topics,
+        device=device,
+        model=model,
+        layout=layout,
+        bounds=bounds,
+        engine=engine,
+        max_in_flight=max_in_flight(spec, plan, settings),
+    )

@@ -1,0 +1,34 @@
+"""The benchmarks run as modules from the repository root, as the README shows them
+(``python -m loadtests.bench_codec``), with no ``sys.path`` edits of their own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_codec_benchmark_runs_as_a_module_and_prints_its_ratio_last() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.bench_codec", "--repeats", "3", "--sample-s", "0.001",
+         "--sizes", "8x1x8x8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["codec_vs_memcpy"] > 0
+
+
+def test_no_loadtest_edits_sys_path() -> None:
+    offenders = [
+        path.name
+        for path in (ROOT / "loadtests").glob("*.py")
+        if "sys.path" in path.read_text()
+    ]
+    assert offenders == []
