@@ -563,7 +563,7 @@ class JobWatcher:
         message = self._decode(value)
         if not isinstance(message, JobEvent) or message.job_id != self.job_id:
             return None
-        event = (message.event, message.at, message.data)
+        event = (message.EVENT, message.at, message.details())
         self.events.append(event)
         return event
 

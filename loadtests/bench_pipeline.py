@@ -67,6 +67,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from conveyor.platform.messages import COORDINATOR_WORKER_ID
 from loadtests._bench_common import (
     ConveyorStack,
     JobWatcher,
@@ -457,9 +458,9 @@ def run_conveyor(
     progress = [
         Progress(at, int(d["step"]), int(d["samples_trained"]))
         for at, d in progress_events
-        if d.get("source") == "coordinator"
+        if d.get("worker_id") == COORDINATOR_WORKER_ID
     ]
-    trainer_events = [d for _, d in progress_events if d.get("source") != "coordinator"]
+    trainer_events = [d for _, d in progress_events if d.get("worker_id") != COORDINATOR_WORKER_ID]
     waits = []
     for at, info in watcher.heartbeats:
         if "step_time_s" not in info or info.get("version") is None:

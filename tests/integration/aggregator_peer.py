@@ -147,7 +147,7 @@ class Peer:
                 await self._changed.wait()
 
     def event(self, name: str) -> list[JobEvent]:
-        return [e for e in self.events if e.event == name]
+        return [e for e in self.events if name == e.EVENT]
 
     # -- the job's data --------------------------------------------------------------------
 

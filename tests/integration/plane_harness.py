@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from job_events import job_event
 
 from conveyor.platform.bus import Producer, TopicSpec, TopicTail, ensure_topics
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
@@ -128,11 +129,11 @@ class Jobs:
 
     def of(self, name: str, job_id: str, **match: Any) -> list[dict[str, Any]]:
         return [
-            e.data
+            e.details()
             for e in self.events
-            if e.event == name
+            if name == e.EVENT
             and e.job_id == job_id
-            and all(e.data.get(k) == v for k, v in match.items())
+            and all(e.details().get(k) == v for k, v in match.items())
         ]
 
     async def read(self) -> None:
@@ -170,7 +171,7 @@ async def job_log(kafka: KafkaSettings) -> AsyncIterator[tuple[Topics, Jobs]]:
 async def submit(kafka: KafkaSettings, topics: Topics, job_id: str, spec: dict[str, Any]) -> None:
     async with Producer(kafka) as producer:
         data = {"spec": JobSpec.from_dict(spec).to_dict(), "idempotency_key": None}
-        message = JobEvent(job_id=job_id, event="submitted", at=time.time(), data=data)
+        message = job_event(job_id, "submitted", **data)
         await producer.publish(topics.jobs, message, key=job_id)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from aggregator_peer import Peer
+from job_events import job_event
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY
 
 from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import JobPlanned, Topics
 from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.export import load_exported_state
@@ -98,12 +98,13 @@ async def submit(kafka: KafkaSettings, spec: dict[str, Any]) -> tuple[JobContext
         "eval_batches_per_epoch": plan.eval_batches_per_epoch,
         "steps_per_epoch": plan.steps_per_epoch(4), "batches_topic": topics.batches(job_id),
         "control_topic": topics.control(job_id), "batches_partitions": 2,
+        "shards_per_epoch": plan.tasks_per_epoch,
     }  # fmt: skip
     async with Producer(kafka) as producer:
         for event, data in (("submitted", {"spec": spec}), ("planned", planned)):
-            message = JobEvent(job_id=job_id, event=event, at=time.time(), data=data)
+            message = job_event(job_id, event, **data)
             await producer.publish(topics.jobs, message, key=job_id)
-    return prepare_job(job_id, spec, planned), dataset
+    return prepare_job(job_id, spec, JobPlanned(job_id=job_id, **planned)), dataset
 
 
 @asynccontextmanager
@@ -154,7 +155,7 @@ def assert_matches_replay(peer: Peer) -> None:
 def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     """The completed event's summary, the exported model, the ledger, the epoch results."""
     (completed,) = peer.event("completed")
-    summary: dict[str, Any] = completed.data["summary"]
+    summary: dict[str, Any] = completed.details()["summary"]
     steps = sum(1 for c in peer.closes.values() if c.num_samples > 0)
     assert summary["steps"] == steps and summary["versions"] == len(peer.closes)
     assert summary["samples"] == epochs * peer.ctx.plan.num_train
@@ -172,7 +173,7 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     for epoch in range(epochs):
         counts = ledger["epochs"][str(epoch)]
         assert set(counts) == train_ids and set(counts.values()) == {1}  # exactly once
-    results = {e.data["epoch"]: e.data for e in peer.event("epoch_completed")}
+    results = {e.details()["epoch"]: e.details() for e in peer.event("epoch_completed")}
     assert sorted(results) == list(range(epochs))
     for epoch, (loss, correct, samples) in peer.eval_sums.items():
         assert samples == peer.ctx.plan.num_eval

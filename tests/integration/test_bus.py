@@ -29,7 +29,7 @@ from conveyor.platform.bus import (
     process_span,
 )
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import Batch, DeadLetter, JobEvent, Topics
+from conveyor.platform.messages import Batch, CancelRequested, DeadLetter, Topics
 
 MiB = 1024 * 1024
 
@@ -64,13 +64,16 @@ def make_batch(index: int, *, rows: int = 4, side: int = 8) -> Batch:
     )
 
 
-def event(index: int) -> JobEvent:
-    return JobEvent(job_id="j1", event=f"e{index}", at=float(index), data={"i": index})
+def event(index: int) -> CancelRequested:
+    """A small message whose ``reason`` names it (``e<index>``)."""
+    return CancelRequested(job_id="j1", at=float(index), reason=f"e{index}")
 
 
-async def publish_all(settings: KafkaSettings, topic: str, messages: Iterable[JobEvent]) -> None:
+async def publish_all(
+    settings: KafkaSettings, topic: str, messages: Iterable[CancelRequested]
+) -> None:
     async with Producer(settings) as producer:
-        acks = [await producer.send(topic, m, key=m.event) for m in messages]
+        acks = [await producer.send(topic, m, key=m.reason) for m in messages]
         await asyncio.gather(*acks)
 
 
@@ -143,7 +146,7 @@ async def test_member_leaving_hands_over_the_rest(settings: KafkaSettings) -> No
 
     async def consume(name: str, consumer: Consumer, stop_after: int | None) -> None:
         async for received in consumer:
-            seen[name].append(received.message.event)  # type: ignore[attr-defined]
+            seen[name].append(received.message.reason)  # type: ignore[attr-defined]
             consumer.ack(received)
             if stop_after is not None and len(seen[name]) >= stop_after:
                 await consumer.stop()
@@ -211,7 +214,7 @@ async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
 
             async def drain(consumer: Consumer) -> None:
                 async for received in consumer:
-                    later.append(received.message.event)  # type: ignore[attr-defined]
+                    later.append(received.message.reason)  # type: ignore[attr-defined]
                     consumer.ack(received)
 
             tasks = [asyncio.create_task(drain(c)) for c in (a, b)]
@@ -222,7 +225,7 @@ async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
             await asyncio.sleep(0.3)  # a redelivery, if any, would show up now
             for task in tasks:
                 task.cancel()
-    acked_first = {r.message.event for r in first}  # type: ignore[attr-defined]
+    acked_first = {r.message.reason for r in first}  # type: ignore[attr-defined]
     assert not acked_first & set(later)
     assert acked_first | set(later) == {f"e{i}" for i in range(total)}
     assert len(later) == total - len(first)
@@ -278,7 +281,7 @@ async def test_killed_member_records_are_redelivered(settings: KafkaSettings) ->
             holder.kill()
             await holder.wait()
     assert [r.offset for r in redelivered] == list(range(4, 10))
-    events = [r.message.event for r in redelivered]  # type: ignore[attr-defined]
+    events = [r.message.reason for r in redelivered]  # type: ignore[attr-defined]
     assert events == [f"e{i}" for i in range(4, 10)]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from conveyor.platform.bus import Consumer, Producer, Received, TopicAdmin, TopicSpec
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import CancelRequested, Topics
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ async def prepare(settings: KafkaSettings, count: int) -> tuple[str, str]:
     async with TopicAdmin(settings) as admin:
         await admin.create_topics([TopicSpec(topic)])
     async with Producer(settings) as producer:
-        events = [JobEvent(job_id="j", event=f"e{i}", at=0.0, data={}) for i in range(count)]
+        events = [CancelRequested(job_id="j", at=0.0, reason=f"e{i}") for i in range(count)]
         await asyncio.gather(*[await producer.send(topic, e) for e in events])
     return topic, f"{settings.topic_prefix}g"
 
@@ -76,10 +76,10 @@ async def test_handler_failure_crashes_run_and_the_record_comes_back(
     handled: list[str] = []
 
     async def handler(received: Received) -> None:
-        assert isinstance(received.message, JobEvent)
-        if received.message.event == "e3":
+        assert isinstance(received.message, CancelRequested)
+        if received.message.reason == "e3":
             raise RuntimeError("cannot handle e3")
-        handled.append(received.message.event)
+        handled.append(received.message.reason)
 
     async with Consumer(settings, [topic], group_id=group_id) as consumer:
         with pytest.raises(RuntimeError, match="cannot handle e3"):

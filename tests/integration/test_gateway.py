@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from job_events import job_event
 
 from conveyor.platform.bus import Producer
 from conveyor.platform.codec import decode
@@ -99,7 +100,7 @@ async def publish(kafka: KafkaSettings, job_id: str, *events: tuple[str, dict[st
     """Publish lifecycle events as the sharder and trainers would."""
     async with Producer(kafka) as producer:
         for name, data in events:
-            event = JobEvent(job_id=job_id, event=name, at=time.time(), data=data)
+            event = job_event(job_id, name, **data)
             await producer.publish(Topics(kafka.topic_prefix).jobs, event, key=job_id)
 
 
@@ -125,8 +126,8 @@ async def test_submit_returns_pending_and_publishes_the_spec(
     # read-your-writes: visible at once
     assert (await gateway.client.get(f"/v1/jobs/{job['id']}")).json()["id"] == job["id"]
     [event] = await jobs_topic_events(kafka_settings)
-    assert (event.job_id, event.event) == (job["id"], "submitted")
-    assert event.data == {"spec": SPEC, "idempotency_key": None}
+    assert (event.job_id, event.EVENT) == (job["id"], "submitted")
+    assert event.details() == {"spec": SPEC, "idempotency_key": None}
 
 
 async def test_idempotency_key(gateway: Gateway, kafka_settings: KafkaSettings) -> None:
@@ -144,7 +145,7 @@ async def test_idempotency_key(gateway: Gateway, kafka_settings: KafkaSettings) 
     )  # fmt: skip
     assert sorted(r.status_code for r in concurrent) == [200, 200, 200, 201]
     events = await jobs_topic_events(kafka_settings)  # partitions: no order across jobs
-    keys = {e.job_id: e.data["idempotency_key"] for e in events}
+    keys = {e.job_id: e.details()["idempotency_key"] for e in events}
     assert len(events) == 2 and keys == {
         job_id_for("nightly-42"): "nightly-42",
         job_id_for("c"): "c",
@@ -180,7 +181,7 @@ async def test_cancel(gateway: Gateway, kafka_settings: KafkaSettings) -> None:
     repeat = await gateway.client.post(f"/v1/jobs/{job_id}/cancel")
     assert repeat.status_code == 202
     events = await jobs_topic_events(kafka_settings)
-    assert [(e.job_id, e.event) for e in events] == [
+    assert [(e.job_id, e.EVENT) for e in events] == [
         (job_id, "submitted"), (job_id, "cancel_requested"),
     ]  # fmt: skip
     await publish(kafka_settings, job_id, ("cancelled", {"reason": "cancelled by sharder"}))
@@ -194,11 +195,11 @@ LIFECYCLE: list[tuple[str, dict[str, Any]]] = [
     ("planned", {"num_train": 1437, "num_eval": 360, "steps_per_epoch": 22, "num_classes": 10}),
     ("running", {"worker_id": "trainer-0"}),
     ("progress", {"worker_id": "trainer-0", "epoch": 0, "step": 10, "samples_trained": 640,
-                  "batches_consumed": 20, "consumed_train_batches": 20, "loss": 1.1,
+                  "loss": 1.1,
                   "samples_per_second": 900.0, "data_wait_ratio": 0.02,
                   "stage_latency_s": {"compute": 0.004, "queue_wait": 0.010}}),
     ("progress", {"worker_id": "trainer-0", "epoch": 0, "step": 20, "samples_trained": 1280,
-                  "batches_consumed": 40, "consumed_train_batches": 40, "loss": 0.6,
+                  "loss": 0.6,
                   "samples_per_second": 1000.0, "data_wait_ratio": 0.01,
                   "stage_latency_s": {"compute": 0.006, "queue_wait": 0.020}}),
     ("epoch_completed", {"epoch": 0, "train_loss": 0.7, "eval_loss": 0.5, "eval_accuracy": 0.9}),

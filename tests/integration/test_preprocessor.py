@@ -253,9 +253,9 @@ async def test_ended_jobs_are_dropped_and_bad_datasets_fail_the_job(
         await jobs.wait_for(lambda m: any(isinstance(e, JobEvent) for e in m), 10)
         await committed_offsets(kafka_settings, topics.shards, group_id(topics.prefix))
     failed = [m for m in jobs.messages if isinstance(m, JobEvent)]
-    assert [(e.job_id, e.event) for e in failed] == [("bad", "failed")]  # once per job
-    assert "/nonexistent/conveyor-test" in failed[0].data["reason"]
-    assert failed[0].data["reason"].startswith("shard bad:e0:train:")
+    assert [(e.job_id, e.EVENT) for e in failed] == [("bad", "failed")]  # once per job
+    assert "/nonexistent/conveyor-test" in failed[0].details()["reason"]
+    assert failed[0].details()["reason"].startswith("shard bad:e0:train:")
 
 
 async def test_a_task_cut_short_is_redone_by_the_next_member(

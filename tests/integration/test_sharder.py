@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from job_events import job_event
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -127,7 +128,7 @@ class TopicReader:
 
 def events(messages: list[Message], job_id: str, name: str) -> list[JobEvent]:
     return [m for m in messages if isinstance(m, JobEvent) and m.job_id == job_id
-            and m.event == name]  # fmt: skip
+            and name == m.EVENT]  # fmt: skip
 
 
 def tasks_of(messages: list[Message], job_id: str) -> list[ShardTask]:
@@ -138,7 +139,7 @@ def tasks_of(messages: list[Message], job_id: str) -> list[ShardTask]:
 
 async def publish(kafka: KafkaSettings, job_id: str, event: str, data: dict[str, Any]) -> None:
     async with Producer(kafka) as producer:
-        message = JobEvent(job_id=job_id, event=event, at=time.time(), data=data)
+        message = job_event(job_id, event, **data)
         await producer.publish(Topics(kafka.topic_prefix).jobs, message, key=job_id)
 
 
@@ -148,8 +149,7 @@ async def topic_names(kafka: KafkaSettings) -> set[str]:
 
 
 def progress(consumed: int, **extra: Any) -> dict[str, Any]:
-    return {"worker_id": "coordinator", "source": "coordinator", "step": 1,
-            "consumed_batches": consumed, **extra}  # fmt: skip
+    return {"step": 1, "consumed_batches": consumed, **extra}
 
 
 async def test_plans_releases_with_flow_control_and_cancels(
@@ -165,7 +165,7 @@ async def test_plans_releases_with_flow_control_and_cancels(
     ):
         await publish(kafka_settings, "job1", "submitted", {"spec": DIGITS_SPEC})
         await jobs.wait_for(lambda m: bool(events(m, "job1", "planned")), 15)
-        planned = events(jobs.messages, "job1", "planned")[0].data
+        planned = events(jobs.messages, "job1", "planned")[0].details()
         assert planned == {
             "num_train": 1438, "num_eval": 359, "num_classes": 10, "sample_shape": [1, 8, 8],
             "train_batches_per_epoch": plan.train_batches_per_epoch,
@@ -268,11 +268,11 @@ async def test_bad_jobs_fail_and_the_next_job_is_planned(kafka_settings: KafkaSe
                            and events(m, "bad-model", "failed")),
             15,
         )  # fmt: skip
-        model_reason = events(jobs.messages, "bad-model", "failed")[0].data["reason"]
+        model_reason = events(jobs.messages, "bad-model", "failed")[0].details()["reason"]
         assert "cannot train model 'resnet18'" in model_reason and "buffers" in model_reason
-        data_reason = events(jobs.messages, "bad-data", "failed")[0].data["reason"]
+        data_reason = events(jobs.messages, "bad-data", "failed")[0].details()["reason"]
         assert bad_uri in data_reason and "cannot read dataset" in data_reason
-        spec_reason = events(jobs.messages, "bad-spec", "failed")[0].data["reason"]
+        spec_reason = events(jobs.messages, "bad-spec", "failed")[0].details()["reason"]
         assert spec_reason.startswith("invalid job spec") and "epochs" in spec_reason
         assert not events(jobs.messages, "bad-data", "planned")
         names = await topic_names(kafka_settings)

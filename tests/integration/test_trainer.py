@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from job_events import job_event
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -39,7 +39,7 @@ from plane_harness import (
 
 from conveyor.platform.bus import Producer, TopicSpec, TopicTail, ensure_topics
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import Heartbeat, JobEvent, StepClose, Topics
+from conveyor.platform.messages import Heartbeat, StepClose, Topics
 from conveyor.services.trainer.timing import STEP_PARTS
 
 pytestmark = pytest.mark.timeout(240)
@@ -263,7 +263,7 @@ async def publish(
     kafka: KafkaSettings, topics: Topics, job_id: str, event: str, **data: Any
 ) -> None:
     async with Producer(kafka) as producer:
-        message = JobEvent(job_id=job_id, event=event, at=time.time(), data=data)
+        message = job_event(job_id, event, **data)
         await producer.publish(topics.jobs, message, key=job_id)
 
 

@@ -26,7 +26,16 @@ from codec_cases import (
 )
 
 from conveyor.platform.codec import ALIGN_BYTES, DTYPES, PREFIX_BYTES, decode, encode
-from conveyor.platform.messages import Batch, DeadLetter, Heartbeat, JobEvent, Message, ShardTask
+from conveyor.platform.messages import (
+    Batch,
+    CoordinatorProgress,
+    DeadLetter,
+    Heartbeat,
+    JobPlanned,
+    JobSubmitted,
+    Message,
+    ShardTask,
+)
 
 # ------------------------------------------------------------------------------ round trips
 
@@ -167,7 +176,16 @@ def test_v1_schemas_round_trip() -> None:
             source_topic="t", partition=2, offset=99, key=None, reason="bad", payload=b"\x01",
             failed_at=1.0,
         ),
-        JobEvent(job_id="j1", event="submitted", at=3.0, data={"spec": {"epochs": 2}}),
+        JobSubmitted(job_id="j1", at=3.0, spec={"epochs": 2}, idempotency_key="k"),
+        JobPlanned(
+            job_id="j1", at=4.0, num_train=8, num_eval=2, num_classes=3, sample_shape=[1, 8, 8],
+            train_batches_per_epoch=2, eval_batches_per_epoch=1, steps_per_epoch=1,
+            shards_per_epoch=2, batches_topic="b", control_topic="c", batches_partitions=2,
+        ),
+        CoordinatorProgress(
+            job_id="j1", at=5.0, consumed_batches=3, consumed_train_batches=2, version=2,
+            step=2, epoch=0, samples_trained=16, loss=None, routing=[0.5, 0.5],
+        ),
         ShardTask(
             job_id="j1", shard_id="s", epoch=1, index=0, split="eval", dataset_uri="builtin://x",
             sample_ids=list(range(10)), micro_batch_size=4, seed=7, preprocess={"augment": []},

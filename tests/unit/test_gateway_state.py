@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from job_events import job_event
 
 from conveyor.platform.messages import JobEvent
 from conveyor.training.jobview import JobsView, percentile
@@ -13,7 +14,10 @@ SPEC: dict[str, Any] = {"name": "digits-cnn", "training": {"epochs": 3, "max_ste
 
 
 def ev(job_id: str, event: str, at: float = 1.0, **data: Any) -> JobEvent:
-    return JobEvent(job_id=job_id, event=event, at=at, data=data)
+    return job_event(job_id, event, at=at, **data)
+
+
+WORKER_EVENTS = {"running": {"worker_id": "w0"}, "progress": {"worker_id": "w0"}}
 
 
 def submitted(job_id: str, at: float = 1.0, key: str | None = None, **spec: Any) -> JobEvent:
@@ -49,7 +53,7 @@ def test_submitted_creates_a_pending_job() -> None:
     ],
 )
 def test_state_sequences(events: list[str], state: str) -> None:
-    view = fold(submitted("a"), *(ev("a", name, worker_id="w0") for name in events))
+    view = fold(submitted("a"), *(ev("a", name, **WORKER_EVENTS.get(name, {})) for name in events))
     job = view.get("a")
     assert job is not None and job.state == state
 
@@ -60,8 +64,16 @@ def test_terminal_states_are_final(terminal: str) -> None:
     job = view.get("a")
     assert job is not None
     seq = job.seq
-    for later in ("running", "progress", "failed", "completed", "cancelled", "cancel_requested"):
-        assert view.apply(ev("a", later, at=9.0, worker_id="w1", step=99, reason="x")) is None
+    later_events = [
+        ev("a", "running", at=9.0, worker_id="w1"),
+        ev("a", "progress", at=9.0, worker_id="w1", step=99),
+        ev("a", "failed", at=9.0, reason="x"),
+        ev("a", "completed", at=9.0),
+        ev("a", "cancelled", at=9.0, reason="x"),
+        ev("a", "cancel_requested", at=9.0),
+    ]
+    for later in later_events:
+        assert view.apply(later) is None
     assert (job.state, job.seq, job.updated_at, job.cancel_requested) == (terminal, seq, 5.0, False)
     assert "w1" not in job.workers
 
@@ -80,10 +92,10 @@ def test_completed_keeps_the_summary() -> None:
     assert job is not None and job.summary == summary and job.state == "completed"
 
 
-def test_events_of_unknown_jobs_and_unknown_names_are_ignored() -> None:
+def test_events_of_unknown_jobs_are_ignored() -> None:
     view = fold(ev("ghost", "planned"), submitted("a"))
     assert view.get("ghost") is None and len(view) == 1
-    assert view.apply(ev("a", "teleported")) is None
+    assert view.apply(ev("ghost", "progress")) is None
     assert view.get("a").seq == 1  # type: ignore[union-attr]
 
 
@@ -91,11 +103,6 @@ def test_duplicate_submitted_keeps_the_first() -> None:
     view = fold(submitted("a", at=1.0, name="first"), submitted("a", at=2.0, name="second"))
     job = view.get("a")
     assert job is not None and job.name == "first" and job.submitted_at == 1.0 and job.seq == 1
-
-
-def test_submitted_without_spec_is_ignored() -> None:
-    view = fold(ev("a", "submitted", idempotency_key=None))
-    assert view.get("a") is None
 
 
 def test_idempotency_map_points_at_the_first_job() -> None:
@@ -109,21 +116,19 @@ def test_progress_sums_workers_and_keeps_latest_report_each() -> None:
         submitted("a"),
         ev("a", "planned", steps_per_epoch=10),
         ev("a", "progress", at=2.0, worker_id="w0", epoch=0, step=3, samples_trained=96,
-           batches_consumed=3, consumed_train_batches=3, loss=2.0, samples_per_second=100.0,
-           data_wait_ratio=0.1),
+           loss=2.0, samples_per_second=100.0, data_wait_ratio=0.1),
         ev("a", "progress", at=3.0, worker_id="w1", epoch=0, step=4, samples_trained=128,
-           batches_consumed=4, consumed_train_batches=4, loss=1.5, samples_per_second=50.0,
-           data_wait_ratio=0.3),
+           loss=1.5, samples_per_second=50.0, data_wait_ratio=0.3),
         ev("a", "progress", at=4.0, worker_id="w0", epoch=1, step=5, samples_trained=160,
-           batches_consumed=5, consumed_train_batches=5, loss=1.2, samples_per_second=120.0,
-           data_wait_ratio=0.2),
+           loss=1.2, samples_per_second=120.0, data_wait_ratio=0.2),
     )  # fmt: skip
     job = view.get("a")
     assert job is not None
     progress = job.progress()
     assert progress["epoch"] == 1 and progress["step"] == 5
     assert progress["samples_trained"] == 160 + 128
-    assert progress["batches_consumed"] == 9 and progress["consumed_train_batches"] == 9
+    # Consumed batches are counted by the coordinator alone (none reported yet).
+    assert progress["batches_consumed"] == 0 and progress["consumed_train_batches"] == 0
     assert progress["samples_per_second"] == pytest.approx(170.0)
     assert progress["data_wait_ratio"] == pytest.approx(0.25)
     assert progress["loss"] == 1.2
@@ -142,8 +147,8 @@ def test_the_coordinators_totals_replace_the_sum_of_the_trainers() -> None:
            samples_per_second=100.0, data_wait_ratio=0.1, loss=2.5),
         ev("a", "progress", at=3.0, worker_id="w1", epoch=0, step=3, samples_trained=128,
            samples_per_second=80.0, data_wait_ratio=0.3),
-        ev("a", "progress", at=4.0, worker_id="coordinator", source="coordinator", epoch=1,
-           step=4, samples_trained=192, consumed_batches=7, consumed_train_batches=6, loss=1.1),
+        ev("a", "progress", at=4.0, worker_id="coordinator", epoch=1, step=4,
+           samples_trained=192, consumed_batches=7, consumed_train_batches=6, loss=1.1),
     )  # fmt: skip
     progress = view.get("a").progress()  # type: ignore[union-attr]
     assert (progress["epoch"], progress["step"], progress["samples_trained"]) == (1, 4, 192)
@@ -162,16 +167,16 @@ def test_max_steps_caps_total_steps() -> None:
     assert view.get("a").progress()["total_steps"] == 7  # type: ignore[union-attr]
 
 
-def test_malformed_progress_fields_are_ignored_not_fatal() -> None:
+def test_unusable_stage_latencies_are_left_out() -> None:
+    # Field types are the codec's to check (a malformed event never decodes); the values
+    # that type-check but cannot be latencies are the view's.
     view = fold(
         submitted("a"),
-        ev("a", "progress", worker_id="w0", step="many", loss=float("nan"), epoch=True,
-           stage_latency_s={"compute": "slow", "h2d": -1.0, "read": 0.5}),
+        ev("a", "progress", worker_id="w0",
+           stage_latency_s={"compute": float("nan"), "h2d": -1.0, "read": 0.5}),
     )  # fmt: skip
     job = view.get("a")
     assert job is not None
-    progress = job.progress()
-    assert (progress["step"], progress["epoch"], progress["loss"]) == (0, 0, None)
     assert list(job.stage_percentiles()) == ["read"]
 
 
@@ -180,7 +185,6 @@ def test_epoch_results_by_epoch() -> None:
         submitted("a"),
         ev("a", "epoch_completed", epoch=0, train_loss=1.0, eval_loss=0.9, eval_accuracy=0.7),
         ev("a", "epoch_completed", epoch=1, train_loss=0.5, eval_loss=0.4, eval_accuracy=0.9),
-        ev("a", "epoch_completed", train_loss=0.1),  # no epoch: ignored
     )
     job = view.get("a")
     assert job is not None

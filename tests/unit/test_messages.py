@@ -15,7 +15,9 @@ from conveyor.platform.messages import (
     DeadLetter,
     FieldKind,
     Heartbeat,
-    JobEvent,
+    JobFailed,
+    JobPlanned,
+    JobSubmitted,
     Message,
     ShardTask,
     Topics,
@@ -31,13 +33,14 @@ def unique_name() -> str:
 
 def test_schemas_are_registered_with_name_and_version() -> None:
     registry = registered_messages()
-    classes = (DeadLetter, JobEvent, ShardTask, Batch, Heartbeat)
+    classes = (DeadLetter, ShardTask, Batch, Heartbeat, JobSubmitted, JobPlanned, JobFailed)
     for cls in classes:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
     assert versions == {  # ShardTask v2: + routing
-        "DeadLetter": 1, "JobEvent": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 1,
+        "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 1, "JobSubmitted": 1,
+        "JobPlanned": 1, "JobFailed": 1,
     }  # fmt: skip
 
 

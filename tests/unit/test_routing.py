@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conveyor.training.routing import choose_partition, parse_routing, partition_weights
+from conveyor.training.routing import choose_partition, partition_weights
 
 
 def test_weights_split_each_member_rate_over_its_partitions() -> None:
@@ -41,12 +41,6 @@ def test_unclaimed_and_foreign_partitions() -> None:
     assert partition_weights([], 3) is None
     with pytest.raises(ValueError, match="num_partitions"):
         partition_weights([(1.0, [0])], 0)
-
-
-def test_parse_routing_accepts_only_usable_weights() -> None:
-    assert parse_routing([0.75, 0, 0.25]) == [0.75, 0.0, 0.25]
-    for bad in (None, [], [0, 0], [0.5, -0.1], [1.0, math.nan], [True, 1.0], ["a"], {"0": 1.0}):
-        assert parse_routing(bad) is None, bad
 
 
 def test_choice_follows_the_weights_over_many_ids() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from conveyor.platform.messages import Heartbeat, JobEvent, Message
+from job_events import TRAINER_DEFAULTS
+
+from conveyor.platform.messages import Heartbeat, Message, TrainerProgress
 from conveyor.services.trainer.reporting import Reporter
 
 
@@ -34,17 +36,13 @@ def reporter(producer: FakeProducer, state: State) -> Reporter:
         worker_id="w1",
         progress_interval_s=0.5,
         heartbeat_interval_s=1.0,
-        progress=lambda: {"step": state.step, "samples_trained": state.samples},
+        progress=lambda: {**TRAINER_DEFAULTS, "step": state.step, "samples_trained": state.samples},
         heartbeat=lambda: {"version": 1, "samples_per_second": 10.0},
     )
 
 
 def steps_reported(producer: FakeProducer) -> list[int]:
-    return [
-        m.data["step"]
-        for _, m in producer.sent
-        if isinstance(m, JobEvent) and m.event == "progress"
-    ]
+    return [m.step for _, m in producer.sent if isinstance(m, TrainerProgress)]
 
 
 async def test_progress_is_rate_limited_and_sent_only_when_it_changed() -> None:
@@ -61,10 +59,8 @@ async def test_progress_is_rate_limited_and_sent_only_when_it_changed() -> None:
     await report.maybe_send_progress(now=11.65)  # asked for (epoch end): sent though unchanged
     assert steps_reported(producer) == [0, 1, 1, 1]
     first = producer.sent[0]
-    assert first[0] == "jobs" and isinstance(first[1], JobEvent)
-    assert first[1].data["worker_id"] == "w1" and first[1].job_id == "j1"
-    # Flow control is the coordinator's: trainers do not report consumed batches.
-    assert all("consumed_batches" not in m.data for _, m in producer.sent)  # type: ignore[attr-defined]
+    assert first[0] == "jobs" and isinstance(first[1], TrainerProgress)
+    assert first[1].worker_id == "w1" and first[1].job_id == "j1"
 
 
 async def test_heartbeats_go_to_the_control_topic() -> None:

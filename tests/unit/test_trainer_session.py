@@ -1,4 +1,4 @@
-"""Joining a job: the plan as the trainer reads it, the model, layout and encoder it builds,
+"""Joining a job: the planned event's checks, the model, layout and encoder it builds,
 the consumer bound it derives, and the reasons a job fails before training."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from conveyor.platform.messages import Topics
+from conveyor.platform.messages import JobPlanned, Topics
 from conveyor.services.trainer.config import TrainerSettings, group_id
-from conveyor.services.trainer.jobwatch import JobPlan
-from conveyor.services.trainer.session import JobFailed, prepare_job
+from conveyor.services.trainer.session import prepare_job
 from conveyor.services.trainer.tally import TrainerTally
+from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobview import JobView
 
 TOPICS = Topics("c.")
@@ -25,6 +25,7 @@ PLAN: dict[str, Any] = {
     "train_batches_per_epoch": 45,
     "eval_batches_per_epoch": 12,
     "steps_per_epoch": 23,
+    "shards_per_epoch": 28,
     "batches_topic": "c.job.j1.batches",
     "control_topic": "c.job.j1.control",
     "batches_partitions": 2,
@@ -62,17 +63,19 @@ def job(spec: dict[str, Any] = SPEC, plan: dict[str, Any] | None = PLAN) -> JobV
         updated_at=0.0,
         stage_window=8,
         state="planned",
-        plan=plan,
+        plan=None if plan is None else JobPlanned(job_id="j1", **plan),
     )
 
 
-def test_plan_fields_are_parsed_and_checked() -> None:
-    plan = JobPlan.from_event_data(PLAN)
-    assert plan.sample_shape == (1, 8, 8) and plan.train_batches_per_epoch == 45
+def test_the_planned_event_checks_its_fields() -> None:
+    plan = JobPlanned(job_id="j1", **PLAN)
+    assert plan.shape == (1, 8, 8) and plan.train_batches_per_epoch == 45
     with pytest.raises(ValueError, match="sample_shape"):
-        JobPlan.from_event_data({**PLAN, "sample_shape": [8, 8]})
-    with pytest.raises(ValueError, match="'num_classes'"):
-        JobPlan.from_event_data({**PLAN, "num_classes": 0})
+        JobPlanned(job_id="j1", **{**PLAN, "sample_shape": [8, 8]})
+    with pytest.raises(ValueError, match="num_classes"):
+        JobPlanned(job_id="j1", **{**PLAN, "num_classes": 0})
+    with pytest.raises(ValueError, match="topic"):
+        JobPlanned(job_id="j1", **{**PLAN, "batches_topic": ""})
 
 
 def test_prepare_builds_the_seeded_version_0_its_slices_and_the_consumer_bound() -> None:
@@ -90,7 +93,7 @@ def test_prepare_builds_the_seeded_version_0_its_slices_and_the_consumer_bound()
 
 def test_models_with_buffers_are_refused() -> None:
     spec = {**SPEC, "model": {"name": "resnet18", "width": 8, "norm": "batch"}}
-    with pytest.raises(JobFailed, match="buffers"):
+    with pytest.raises(JobFailure, match="buffers"):
         prepare_job(job(spec), TrainerSettings(worker_id="w"), TOPICS)
 
 
@@ -100,14 +103,13 @@ def test_models_with_buffers_are_refused() -> None:
         ({**SPEC, "model": {"name": "mlp", "width": 3}}, PLAN, "unknown option(s) ['width']"),
         ({**SPEC, "model": {"name": "transformer"}}, PLAN, "unknown model 'transformer'"),
         ({**SPEC, "training": {"epochs": 0}}, PLAN, "invalid job"),
-        (SPEC, {**PLAN, "batches_topic": ""}, "batches_topic"),
         (SPEC, None, "invalid job"),
     ],
 )
 def test_jobs_that_cannot_be_trained_fail_with_a_reason(
     spec: dict[str, Any], plan: dict[str, Any] | None, reason: str
 ) -> None:
-    with pytest.raises(JobFailed) as failed:
+    with pytest.raises(JobFailure) as failed:
         prepare_job(job(spec, plan), TrainerSettings(worker_id="w"), TOPICS)
     assert reason in str(failed.value)
 
@@ -115,7 +117,7 @@ def test_jobs_that_cannot_be_trained_fail_with_a_reason(
 def test_cuda_demanded_without_cuda_fails_the_job() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(JobFailed, match="CUDA is not available"):
+    with pytest.raises(JobFailure, match="CUDA is not available"):
         prepare_job(
             job({**SPEC, "resources": {"device": "cuda"}}), TrainerSettings(worker_id="w"), TOPICS
         )

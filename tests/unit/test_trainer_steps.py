@@ -26,6 +26,7 @@ from conveyor.platform.messages import (
     Batch,
     Contribution,
     GradSlice,
+    JobPlanned,
     Message,
     ParamSlice,
     Rejection,
@@ -127,12 +128,11 @@ def spec(mode: str, staleness: int = 0) -> dict[str, Any]:
     }  # fmt: skip
 
 
-PLAN = {
-    "num_train": 20, "num_eval": 2, "num_classes": 10, "sample_shape": [1, 8, 8],
-    "train_batches_per_epoch": 10, "eval_batches_per_epoch": 1, "steps_per_epoch": 5,
-    "batches_topic": TOPICS.batches(JOB), "control_topic": TOPICS.control(JOB),
-    "batches_partitions": 1,
-}  # fmt: skip
+PLAN = JobPlanned(
+    job_id=JOB, num_train=20, num_eval=2, num_classes=10, sample_shape=[1, 8, 8],
+    train_batches_per_epoch=10, eval_batches_per_epoch=1, steps_per_epoch=5, shards_per_epoch=2,
+    batches_topic=TOPICS.batches(JOB), control_topic=TOPICS.control(JOB), batches_partitions=1,
+)  # fmt: skip
 
 
 @dataclass

@@ -8,20 +8,19 @@ group-less consumer (manual assignment, nothing committed, so every reader and e
 sees the whole log), folds each event into a view, and is *ready* once it has reached the end
 offsets captured at start; it then keeps tailing.
 
-Fold rules:
+Fold rules (the view dispatches on the event's type):
 
-- ``submitted`` creates the job (``pending``); a second ``submitted`` for the same id (a retried
+- :class:`JobSubmitted` creates the job (``pending``); a second one for the same id (a retried
   publish, or two gateways racing on one Idempotency-Key) is ignored: the first one wins.
 - States only move forward: pending -> planned -> running -> completed | failed | cancelled.
-  A ``progress`` implies running. Terminal states are final: later events are ignored.
-- Events for a job never submitted, and unknown event names, are ignored.
-- Progress counters in ``progress`` events are each trainer's own; the view keeps the latest
-  report per worker and sums counters and rates over workers (step and epoch: the maximum).
-  A report with ``source: "coordinator"`` (the
-  aggregator that closes the job's steps) holds the job's own totals: once one is in, the
-  counters, step, epoch and loss come from it alone (adding it to the trainers' would count
-  every sample twice); rates and data wait still come from the trainers.
-- ``stage_latency_s`` ({stage: seconds}) of each progress report is kept in a bounded window
+  A progress event implies running. Terminal states are final: later events are ignored.
+- Events for a job never submitted are ignored.
+- :class:`TrainerProgress` counters are each trainer's own; the view keeps the latest report
+  per worker and sums counters and rates over workers (step and epoch: the maximum). Once a
+  :class:`CoordinatorProgress` (the job's own totals, from the aggregator that closes its
+  steps) is in, the counters, step, epoch and loss come from it alone (adding it to the
+  trainers' would count every sample twice); rates and data wait still come from the trainers.
+- ``stage_latency_s`` ({stage: seconds}) of each trainer report is kept in a bounded window
   per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99.
 """
 
@@ -38,7 +37,20 @@ from typing import Any, Final, Literal
 from conveyor.platform.bus.errors import BusError
 from conveyor.platform.bus.tail import TopicTail
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import JobEvent, Message
+from conveyor.platform.messages import (
+    CancelRequested,
+    CoordinatorProgress,
+    EpochCompleted,
+    JobCancelled,
+    JobCompleted,
+    JobEvent,
+    JobFailed,
+    JobPlanned,
+    JobSubmitted,
+    Message,
+    TrainerJoined,
+    TrainerProgress,
+)
 from conveyor.platform.telemetry import counter, gauge
 
 logger = logging.getLogger(__name__)
@@ -51,19 +63,6 @@ TERMINAL_STATES: Final[frozenset[JobState]] = frozenset({"completed", "failed", 
 _RANK: Final[dict[JobState, int]] = {state: rank for rank, state in enumerate(JOB_STATES)}
 
 _SUMMED_COUNTERS = ("samples_trained", "batches_consumed", "consumed_train_batches")
-
-
-def _number(data: dict[str, Any], key: str) -> float | None:
-    """A finite int/float field of an event, else None (events come from other processes)."""
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _integer(data: dict[str, Any], key: str) -> int | None:
-    value = _number(data, key)
-    return None if value is None else int(value)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -106,7 +105,7 @@ class JobView:
     """Events applied to this job so far (an SSE event id)."""
     cancel_requested: bool = False
     reason: str | None = None
-    plan: dict[str, Any] | None = None
+    plan: JobPlanned | None = None
     summary: dict[str, Any] | None = None
     loss: float | None = None
     """Loss of the most recent progress report."""
@@ -132,10 +131,9 @@ class JobView:
         waits = [r.data_wait_ratio for r in reports if r.data_wait_ratio is not None]
         training = self.spec.get("training")
         training = training if isinstance(training, dict) else {}
-        epochs_total = _integer(training, "epochs") or 0
-        steps_per_epoch = _integer(self.plan or {}, "steps_per_epoch")
-        total_steps = None if steps_per_epoch is None else steps_per_epoch * epochs_total
-        max_steps = _integer(training, "max_steps")
+        epochs_total = _integer(training.get("epochs")) or 0
+        total_steps = None if self.plan is None else self.plan.steps_per_epoch * epochs_total
+        max_steps = _integer(training.get("max_steps"))
         if max_steps is not None and (total_steps is None or max_steps < total_steps):
             total_steps = max_steps
         return {
@@ -202,44 +200,39 @@ class JobsView:
 
     def apply(self, event: JobEvent) -> JobView | None:
         """Fold one event; returns the changed job, or None when the event changed nothing."""
-        if event.event == "submitted":
+        if isinstance(event, JobSubmitted):
             return self._submit(event)
         job = self._jobs.get(event.job_id)
         if job is None or job.terminal:
             return None
-        handler = _HANDLERS.get(event.event)
-        if handler is None:
-            logger.debug("ignoring unknown job event %r for %s", event.event, event.job_id)
-            return None
-        if not handler(job, event.data, event.at):
+        if not _apply(job, event):
             return None
         job.seq += 1
         job.updated_at = max(job.updated_at, event.at)
         return job
 
-    def _submit(self, event: JobEvent) -> JobView | None:
+    def _submit(self, event: JobSubmitted) -> JobView | None:
         if event.job_id in self._jobs:
             return None
-        spec = event.data.get("spec")
-        if not isinstance(spec, dict):
-            logger.warning("submitted event for %s carries no spec; ignored", event.job_id)
-            return None
-        key = event.data.get("idempotency_key")
-        key = key if isinstance(key, str) else None
         job = JobView(
             job_id=event.job_id,
-            name=str(spec.get("name", "")),
-            spec=spec,
-            idempotency_key=key,
+            name=str(event.spec.get("name", "")),
+            spec=event.spec,
+            idempotency_key=event.idempotency_key,
             submitted_at=event.at,
             updated_at=event.at,
             stage_window=self._stage_window,
             seq=1,
         )
         self._jobs[event.job_id] = job
-        if key is not None:
-            self._by_key.setdefault(key, event.job_id)
+        if event.idempotency_key is not None:
+            self._by_key.setdefault(event.idempotency_key, event.job_id)
         return job
+
+
+def _integer(value: object) -> int | None:
+    """An int field of the (user-written) spec, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _advance(job: JobView, state: JobState) -> bool:
@@ -249,103 +242,82 @@ def _advance(job: JobView, state: JobState) -> bool:
     return True
 
 
-def _on_planned(job: JobView, data: dict[str, Any], at: float) -> bool:
-    job.plan = dict(data)
-    _advance(job, "planned")
-    return True
+def _apply(job: JobView, event: JobEvent) -> bool:
+    """Fold a non-submitted event into its (non-terminal) job; True when the job changed."""
+    match event:
+        case JobPlanned():
+            job.plan = event
+            _advance(job, "planned")
+            return True
+        case TrainerJoined(worker_id=worker_id):
+            joined = worker_id not in job.workers
+            if joined:
+                job.workers[worker_id] = WorkerProgress(worker_id=worker_id, at=event.at)
+            return _advance(job, "running") or joined
+        case TrainerProgress():
+            job.workers[event.worker_id] = _trainer_report(job, event)
+            _advance(job, "running")
+            return True
+        case CoordinatorProgress():
+            job.coordinator = WorkerProgress(
+                worker_id=event.worker_id,
+                at=event.at,
+                epoch=event.epoch,
+                step=event.step,
+                samples_trained=event.samples_trained,
+                batches_consumed=event.consumed_batches,
+                consumed_train_batches=event.consumed_train_batches,
+                loss=event.loss,
+            )
+            if event.loss is not None:
+                job.loss = event.loss
+            _advance(job, "running")
+            return True
+        case EpochCompleted():
+            job.epochs[event.epoch] = {
+                "train_loss": event.train_loss,
+                "eval_loss": event.eval_loss,
+                "eval_accuracy": event.eval_accuracy,
+            }
+            return True
+        case JobCompleted():
+            job.summary = dict(event.summary)
+            job.state = "completed"
+            return True
+        case JobFailed():
+            job.reason = event.reason
+            job.state = "failed"
+            return True
+        case CancelRequested():
+            if job.cancel_requested:
+                return False
+            job.cancel_requested = True
+            return True
+        case JobCancelled():
+            job.reason = event.reason
+            job.state = "cancelled"
+            return True
+    logger.debug("ignoring %s for %s", type(event).__name__, event.job_id)
+    return False
 
 
-def _on_running(job: JobView, data: dict[str, Any], at: float) -> bool:
-    worker_id = data.get("worker_id")
-    joined = False
-    if isinstance(worker_id, str) and worker_id not in job.workers:
-        job.workers[worker_id] = WorkerProgress(worker_id=worker_id, at=at)
-        joined = True
-    return _advance(job, "running") or joined
-
-
-def _on_progress(job: JobView, data: dict[str, Any], at: float) -> bool:
-    worker_id = data.get("worker_id")
-    worker_id = worker_id if isinstance(worker_id, str) else "unknown"
-    report = WorkerProgress(worker_id=worker_id, at=at)
-    for name in ("epoch", "step", *_SUMMED_COUNTERS):
-        value = _integer(data, name)
-        if value is not None:
-            setattr(report, name, value)
-    report.loss = _number(data, "loss")
-    report.samples_per_second = _number(data, "samples_per_second") or 0.0
-    report.data_wait_ratio = _number(data, "data_wait_ratio")
-    if data.get("source") == "coordinator":
-        # The coordinator counts batches the job consumed (applied or evaluated) as
-        # ``consumed_batches``, the trainers' reports as ``batches_consumed``.
-        report.batches_consumed = _integer(data, "consumed_batches") or 0
-        job.coordinator = report
-    else:
-        job.workers[worker_id] = report
-    if report.loss is not None:
-        job.loss = report.loss
-    stages = data.get("stage_latency_s")
-    if isinstance(stages, dict):
-        for stage in stages:
-            latency_s = _number(stages, stage)
-            if isinstance(stage, str) and latency_s is not None and latency_s >= 0:
-                window = job.stage_samples_s.setdefault(stage, deque(maxlen=job.stage_window))
-                window.append(latency_s)
-    _advance(job, "running")
-    return True
-
-
-def _on_epoch_completed(job: JobView, data: dict[str, Any], at: float) -> bool:
-    epoch = _integer(data, "epoch")
-    if epoch is None:
-        return False
-    job.epochs[epoch] = {
-        name: _number(data, name) for name in ("train_loss", "eval_loss", "eval_accuracy")
-    }
-    return True
-
-
-def _on_completed(job: JobView, data: dict[str, Any], at: float) -> bool:
-    summary = data.get("summary")
-    job.summary = dict(summary) if isinstance(summary, dict) else {}
-    job.state = "completed"
-    return True
-
-
-def _on_failed(job: JobView, data: dict[str, Any], at: float) -> bool:
-    reason = data.get("reason")
-    job.reason = reason if isinstance(reason, str) else "unknown failure"
-    job.state = "failed"
-    return True
-
-
-def _on_cancel_requested(job: JobView, data: dict[str, Any], at: float) -> bool:
-    if job.cancel_requested:
-        return False
-    job.cancel_requested = True
-    return True
-
-
-def _on_cancelled(job: JobView, data: dict[str, Any], at: float) -> bool:
-    reason = data.get("reason")
-    job.reason = reason if isinstance(reason, str) else "cancelled"
-    job.state = "cancelled"
-    return True
-
-
-_Handler = Callable[[JobView, dict[str, Any], float], bool]
-"""Applies one event's data at time ``at`` (unix s); True when the job changed."""
-
-_HANDLERS: Final[dict[str, _Handler]] = {
-    "planned": _on_planned,
-    "running": _on_running,
-    "progress": _on_progress,
-    "epoch_completed": _on_epoch_completed,
-    "completed": _on_completed,
-    "failed": _on_failed,
-    "cancel_requested": _on_cancel_requested,
-    "cancelled": _on_cancelled,
-}
+def _trainer_report(job: JobView, event: TrainerProgress) -> WorkerProgress:
+    if event.loss is not None:
+        job.loss = event.loss
+    for stage, latency_s in event.stage_latency_s.items():
+        if math.isfinite(latency_s) and latency_s >= 0:
+            window = job.stage_samples_s.setdefault(stage, deque(maxlen=job.stage_window))
+            window.append(latency_s)
+    return WorkerProgress(
+        worker_id=event.worker_id,
+        at=event.at,
+        epoch=event.epoch,
+        step=event.step,
+        samples_trained=event.samples_trained,
+        loss=event.loss,
+        samples_per_second=event.samples_per_second,
+        data_wait_ratio=event.data_wait_ratio,
+    )
 
 
 # --------------------------------------------------------------------------- the reader

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 
 def partition_weights(
@@ -60,24 +59,9 @@ def partition_weights(
     return [weight / total for weight in weights]
 
 
-def parse_routing(value: Any) -> list[float] | None:
-    """``value`` as routing weights (a non-empty list of finite numbers >= 0 with a positive
-    sum), else None."""
-    if not isinstance(value, list) or not value:
-        return None
-    weights: list[float] = []
-    for weight in value:
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            return None
-        if not math.isfinite(weight) or weight < 0:
-            return None
-        weights.append(float(weight))
-    return weights if sum(weights) > 0 else None
-
-
 def choose_partition(batch_id: str, weights: Sequence[float]) -> int:
     """The partition of ``batch_id`` under ``weights`` (one per partition, >= 0, positive
-    sum; see :func:`parse_routing`): a point drawn from a hash of the id, placed on the
+    sum): a point drawn from a hash of the id, placed on the
     cumulative weights. Stable across processes and runs (the same id and weights give the
     same partition); over many ids partition p gets a share ``weights[p] / sum(weights)``;
     a partition of weight 0 never gets one. Raises ValueError for weights without a positive

@@ -24,8 +24,9 @@ annotations must resolve at import time (import ``Tensor`` for real, not under
 The package keeps the whole wire contract in one place: the registry
 (:mod:`~conveyor.platform.messages.registry`), the topic names
 (:mod:`~conveyor.platform.messages.topics`) and the schemas, grouped by plane
-(:mod:`~conveyor.platform.messages.jobs`, :mod:`~conveyor.platform.messages.gradient_plane`). Import
-from the package itself: importing it registers every schema.
+(:mod:`~conveyor.platform.messages.data_plane`, :mod:`~conveyor.platform.messages.job_events`,
+:mod:`~conveyor.platform.messages.gradient_plane`). Import from the package itself: importing
+it registers every schema.
 """
 
 from conveyor.platform.messages.registry import (
@@ -43,7 +44,24 @@ from conveyor.platform.messages.topics import SPLITS, Topics, batch_id_for, shar
 # isort: split
 # The schema modules register their schemas when imported, in this order (the order of
 # registered_messages()).
-from conveyor.platform.messages.jobs import Batch, DeadLetter, Heartbeat, JobEvent, ShardTask
+from conveyor.platform.messages.data_plane import Batch, DeadLetter, Heartbeat, ShardTask
+
+# isort: split
+from conveyor.platform.messages.job_events import (
+    COORDINATOR_WORKER_ID,
+    TERMINAL_EVENTS,
+    CancelRequested,
+    CoordinatorProgress,
+    EpochCompleted,
+    JobCancelled,
+    JobCompleted,
+    JobEvent,
+    JobFailed,
+    JobPlanned,
+    JobSubmitted,
+    TrainerJoined,
+    TrainerProgress,
+)
 
 # isort: split
 from conveyor.platform.messages.gradient_plane import (
@@ -56,17 +74,27 @@ from conveyor.platform.messages.gradient_plane import (
 )
 
 __all__ = [
+    "COORDINATOR_WORKER_ID",
     "ENVELOPE_KEYS",
     "SPLITS",
+    "TERMINAL_EVENTS",
     "Batch",
+    "CancelRequested",
     "Contribution",
+    "CoordinatorProgress",
     "DeadLetter",
+    "EpochCompleted",
     "EvalResult",
     "FieldKind",
     "FieldSpec",
     "GradSlice",
     "Heartbeat",
+    "JobCancelled",
+    "JobCompleted",
     "JobEvent",
+    "JobFailed",
+    "JobPlanned",
+    "JobSubmitted",
     "Message",
     "MessageSchema",
     "ParamSlice",
@@ -74,6 +102,8 @@ __all__ = [
     "ShardTask",
     "StepClose",
     "Topics",
+    "TrainerJoined",
+    "TrainerProgress",
     "batch_id_for",
     "message",
     "registered_messages",

@@ -15,7 +15,13 @@ from typing import Any
 
 from conveyor.platform.bus import Producer, TopicTail
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import (
+    CoordinatorProgress,
+    EpochCompleted,
+    JobCompleted,
+    JobEvent,
+    Topics,
+)
 from conveyor.platform.storage import ObjectStore
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.coordinator import Coordinator
@@ -25,8 +31,6 @@ from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.metrics import AggregatorMetrics, rejection_label
 
 logger = logging.getLogger(__name__)
-
-COORDINATOR_WORKER_ID = "coordinator"
 
 
 class Leader:
@@ -117,20 +121,18 @@ class Leader:
         if key == self._progress_key or (not force and now - self._progress_at < self.interval):
             return
         self._progress_key, self._progress_at = key, now
-        data: dict[str, Any] = {
-            "worker_id": COORDINATOR_WORKER_ID,
-            "source": COORDINATOR_WORKER_ID,
-            "consumed_batches": c.consumed_batches,
-            "consumed_train_batches": c.applied_train_batches,
-            "version": c.version,
-            "step": c.steps,
-            "epoch": c.current_epoch,
-            "samples_trained": c.samples_trained,
-            "loss": c.last_loss,
-        }
-        if routing is not None:
-            data["routing"] = routing  # the sharder stamps it into the shard tasks it releases
-        await self._event("progress", data)
+        await self._publish(CoordinatorProgress(
+            job_id=self.ctx.job_id,
+            consumed_batches=c.consumed_batches,
+            consumed_train_batches=c.applied_train_batches,
+            version=c.version,
+            step=c.steps,
+            epoch=c.current_epoch,
+            samples_trained=c.samples_trained,
+            loss=c.last_loss,
+            # The sharder stamps it into the shard tasks it releases.
+            routing=[] if routing is None else list(routing),
+        ))  # fmt: skip
 
     @property
     def interval(self) -> float:
@@ -142,13 +144,14 @@ class Leader:
             return
         logger.info("job %s: epoch %d done: eval loss %s accuracy %s", self.ctx.job_id,
                     result.epoch, result.eval_loss, result.eval_accuracy)  # fmt: skip
-        await self._event("epoch_completed", {
-            "epoch": result.epoch,
-            "version": result.version,
-            "eval_loss": result.eval_loss,
-            "eval_accuracy": result.eval_accuracy,
-            "train_loss": result.train_loss,
-        })  # fmt: skip
+        await self._publish(EpochCompleted(
+            job_id=self.ctx.job_id,
+            epoch=result.epoch,
+            version=result.version,
+            eval_loss=result.eval_loss,
+            eval_accuracy=result.eval_accuracy,
+            train_loss=result.train_loss,
+        ))  # fmt: skip
         self._announced.add(result.epoch)
 
     async def _complete(self) -> None:
@@ -158,10 +161,11 @@ class Leader:
         )
         uri = await asyncio.to_thread(write_outputs, self.store, self.ctx, flat, c)
         summary = summarise(c, uri)
-        await self._event("completed", {"summary": summary, "worker_id": self.settings.worker_id})
+        await self._publish(
+            JobCompleted(job_id=self.ctx.job_id, summary=summary, worker_id=self.settings.worker_id)
+        )
         self.completed = True
         logger.info("job %s: completed: %s", self.ctx.job_id, summary)
 
-    async def _event(self, event: str, data: dict[str, Any]) -> None:
-        message = JobEvent(job_id=self.ctx.job_id, event=event, at=time.time(), data=data)
-        await self.producer.publish(self.topics.jobs, message, key=self.ctx.job_id)
+    async def _publish(self, event: JobEvent) -> None:
+        await self.producer.publish(self.topics.jobs, event, key=self.ctx.job_id)

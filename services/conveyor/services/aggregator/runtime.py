@@ -45,12 +45,13 @@ from conveyor.platform.storage import ObjectStore
 from conveyor.services.aggregator.config import AggregatorSettings, group_id
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
-from conveyor.services.aggregator.job import JobContext, JobFailed
+from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.params import last_param_slices
 from conveyor.services.aggregator.shard import SliceShard
 from conveyor.training.compression import CompressionError
+from conveyor.training.jobhost import JobFailure
 from conveyor.training.optim import aggregator_optimizer
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ what it waits for), again every such period."""
 
 class JobAggregator:
     """Serves one job until cancelled (module docstring). ``run()`` raises
-    :class:`JobFailed` when the job cannot go on, ``BusError`` on broker failures."""
+    :class:`JobFailure` when the job cannot go on, ``BusError`` on broker failures."""
 
     def __init__(
         self,
@@ -284,7 +285,7 @@ class JobAggregator:
         if last is not None:
             values, version = last.values, last.version
             if values.numel() != stop - start:
-                raise JobFailed(f"ParamSlice {index}: {values.numel()} values, not {stop - start}")
+                raise JobFailure(f"ParamSlice {index}: {values.numel()} values, not {stop - start}")
         else:
             values, version = self.ctx.initial[start:stop], 0
             await self._publish(index, version, values.clone())
@@ -348,7 +349,7 @@ def _step(shard: SliceShard[Received], close: StepClose, slices: list[GradSlice]
     try:
         shard.step(close, slices)
     except CompressionError as exc:
-        raise JobFailed(f"version {close.version}, slice {shard.slice_index}: {exc}") from exc
+        raise JobFailure(f"version {close.version}, slice {shard.slice_index}: {exc}") from exc
     return shard.values.clone()
 
 

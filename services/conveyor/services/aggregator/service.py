@@ -15,18 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from conveyor.platform.bus import BusError, Producer
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import JobFailed, Topics
 from conveyor.platform.service import Service
 from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
-from conveyor.services.aggregator.job import JobFailed, prepare_job, warm_up
+from conveyor.services.aggregator.job import prepare_job, warm_up
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.runtime import JobAggregator
+from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobview import JobLogReader, JobsView, JobView
 
 logger = logging.getLogger(__name__)
@@ -137,9 +137,11 @@ class AggregatorService(Service):
     async def _serve(self, job: JobView, producer: Producer) -> None:
         job_id = job.job_id
         try:
-            ctx = await asyncio.to_thread(prepare_job, job_id, job.spec, dict(job.plan or {}))
+            if job.plan is None:
+                raise JobFailure("invalid job: it has no plan yet")
+            ctx = await asyncio.to_thread(prepare_job, job_id, job.spec, job.plan)
             store = open_store(ctx.spec.checkpoint.uri or self.storage.uri, self.storage)
-        except (JobFailed, ValueError) as exc:
+        except (JobFailure, ValueError) as exc:
             await self._fail(producer, job_id, str(exc))
             return
         while True:
@@ -157,7 +159,7 @@ class AggregatorService(Service):
             try:
                 await runtime.run()
                 return
-            except JobFailed as exc:
+            except JobFailure as exc:
                 await self._fail(producer, job_id, str(exc))
                 return
             except Exception as exc:
@@ -182,12 +184,7 @@ class AggregatorService(Service):
     async def _fail(self, producer: Producer, job_id: str, reason: str) -> None:
         logger.warning("job %s failed: %s", job_id, reason)
         self._finished.add(job_id)
-        message = JobEvent(
-            job_id=job_id,
-            event="failed",
-            at=time.time(),
-            data={"reason": reason, "worker_id": self.settings.worker_id},
-        )
+        message = JobFailed(job_id=job_id, reason=reason, worker_id=self.settings.worker_id)
         await producer.publish(self.topics.jobs, message, key=job_id)
 
     async def _stop_jobs(self) -> None:

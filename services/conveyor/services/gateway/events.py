@@ -77,14 +77,14 @@ class EventHub:
             return
         payload = {
             "job_id": job.job_id,
-            "event": event.event,
+            "event": event.EVENT,
             "at": event.at,
             "seq": job.seq,
             "state": job.state,
-            "data": event.data,
+            "data": event.details(),
             "progress": job.progress(),
         }
-        item = StreamItem(event.event, job.seq, payload, terminal=job.terminal)
+        item = StreamItem(event.EVENT, job.seq, payload, terminal=job.terminal)
         for subscription in subscribers:
             subscription.offer(item)
 

@@ -76,7 +76,7 @@ class Job(BaseModel):
                 EpochResult(epoch=epoch, **results)
                 for epoch, results in sorted(view.epochs.items())
             ],
-            plan=view.plan,
+            plan=None if view.plan is None else view.plan.details(),
             summary=view.summary,
             spec=view.spec,
         )

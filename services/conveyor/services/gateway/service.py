@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -18,7 +17,7 @@ from fastapi import FastAPI
 
 from conveyor.platform.bus import BusError, Producer, TopicSpec, ensure_topics
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import CancelRequested, JobEvent, JobSubmitted, Topics
 from conveyor.platform.service import Service
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.errors import (
@@ -161,10 +160,7 @@ class GatewayService(Service):
         if job.terminal:
             raise JobFinished(job_id, job.state)
         if not job.cancel_requested:
-            await self._publish(JobEvent(
-                job_id=job_id, event="cancel_requested", at=time.time(),
-                data={"reason": "cancelled through the API"},
-            ))  # fmt: skip
+            await self._publish(CancelRequested(job_id=job_id, reason="cancelled through the API"))
         return self.get_job(job_id)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -178,8 +174,9 @@ class GatewayService(Service):
     async def _publish_submitted(
         self, job_id: str, spec: dict[str, Any], idempotency_key: str | None
     ) -> JobView:
-        data = {"spec": spec, "idempotency_key": idempotency_key}
-        await self._publish(JobEvent(job_id=job_id, event="submitted", at=time.time(), data=data))
+        await self._publish(
+            JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key)
+        )
         job = self.view.get(job_id)
         assert job is not None, "the view applied the submitted event"
         return job
@@ -194,8 +191,8 @@ class GatewayService(Service):
             await tail.wait_applied(metadata.partition, metadata.offset, timeout_s)
         except TimeoutError as exc:
             raise GatewayUnavailable(
-                f"{event.event} for job {event.job_id} not confirmed within {timeout_s}s"
+                f"{event.EVENT} for job {event.job_id} not confirmed within {timeout_s}s"
             ) from exc
         except BusError as exc:
-            raise GatewayUnavailable(f"{event.event} for job {event.job_id}: {exc}") from exc
-        logger.info("job %s: %s", event.job_id, event.event)
+            raise GatewayUnavailable(f"{event.EVENT} for job {event.job_id}: {exc}") from exc
+        logger.info("job %s: %s", event.job_id, event.EVENT)

@@ -14,7 +14,7 @@ Per task, inside a CONSUMER span ``process <shards topic>`` that continues the t
    uncommitted: the group redelivers it and the same batch ids are produced again.
 
 A task that cannot be processed (dataset unreadable or corrupt, bad augmentation spec, a
-batch over the message size limit) fails its job: a ``failed`` JobEvent with the reason is
+batch over the message size limit) fails its job: a :class:`JobFailed` with the reason is
 published once per job and process, and the task is acked, so a bad job never crash-loops the
 pool. Unexpected exceptions (bugs) crash the handler: the task is redelivered.
 """
@@ -43,7 +43,7 @@ from conveyor.platform.bus import (
     process_span,
 )
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import Batch, JobEvent, ShardTask, Topics
+from conveyor.platform.messages import Batch, JobFailed, ShardTask, Topics
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge, histogram
 from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
@@ -252,8 +252,7 @@ class PreprocessorService(Service):
         while len(self._failed_jobs) > _FAILED_JOBS_KEPT:
             self._failed_jobs.popitem(last=False)
         logger.error("job %s fails: %s", task.job_id, reason)
-        data = {"reason": reason}
-        event = JobEvent(job_id=task.job_id, event="failed", at=time.time(), data=data)
+        event = JobFailed(job_id=task.job_id, reason=reason)
         try:
             await self._producer.publish(self.topics.jobs, event, key=task.job_id)
         except BaseException:

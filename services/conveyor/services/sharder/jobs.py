@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from opentelemetry.trace import SpanContext
 
 from conveyor.platform.bus import Received
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import (
+    TERMINAL_EVENTS,
+    CancelRequested,
+    CoordinatorProgress,
+    JobEvent,
+    JobPlanned,
+    JobSubmitted,
+    Topics,
+)
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
-from conveyor.training.routing import parse_routing
 
 logger = logging.getLogger(__name__)
-
-TERMINAL_EVENTS = frozenset({"completed", "failed", "cancelled"})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -99,21 +103,25 @@ class JobTable:
             logger.warning("ignoring %s on %s", type(event).__name__, received.topic)
             return True
         job = self._jobs.get(event.job_id)
-        if event.event == "submitted":
+        if isinstance(event, JobSubmitted):
             return self._submitted(job, event, received)
         if job is None:
             return True
-        if event.event == "planned":
-            job.planned_seen = True
-        elif event.event == "progress":
-            _fold_progress(job, event.data)
-        elif event.event == "cancel_requested":
-            job.cancel_requested = True
-        elif event.event in TERMINAL_EVENTS:
-            job.terminal = True
+        match event:
+            case JobPlanned():
+                job.planned_seen = True
+            case CoordinatorProgress():
+                # Latest wins: a new coordinator after a failover rebuilds the same count from
+                # the log; a report without routing (no trainer known) clears the weights.
+                job.consumed = event.consumed_batches
+                job.routing = list(event.routing)
+            case CancelRequested():
+                job.cancel_requested = True
+            case _ if isinstance(event, TERMINAL_EVENTS):
+                job.terminal = True
         return True
 
-    def _submitted(self, job: JobRecord | None, event: JobEvent, received: Received) -> bool:
+    def _submitted(self, job: JobRecord | None, event: JobSubmitted, received: Received) -> bool:
         if job is not None:
             same = (job.submitted.partition, job.submitted.offset) == (
                 received.partition,
@@ -136,42 +144,12 @@ class JobTable:
         return False
 
 
-def _parse_spec(event: JobEvent, topics: Topics) -> tuple[JobSpec | None, str | None]:
+def _parse_spec(event: JobSubmitted, topics: Topics) -> tuple[JobSpec | None, str | None]:
     try:
         topics.batches(event.job_id)
     except ValueError as exc:
         return None, str(exc)
-    raw: Any = event.data.get("spec")
-    if not isinstance(raw, dict):
-        return None, "invalid job spec: the submitted event carries no spec mapping"
     try:
-        return JobSpec.from_dict(raw), None
+        return JobSpec.from_dict(event.spec), None
     except ValueError as exc:
         return None, f"invalid job spec: {exc}"
-
-
-COORDINATOR_SOURCE = "coordinator"
-"""``source`` of the progress events of the job's coordinator (the aggregator process owning
-partition 0 of the job's grads topic): the only progress the flow control counts."""
-
-
-def consumed_batches(data: dict[str, Any]) -> int | None:
-    """The ``consumed_batches`` count of a coordinator progress event (train batches applied
-    + eval batches evaluated, all epochs); None when absent or not an int."""
-    value = data.get("consumed_batches")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return None
-
-
-def _fold_progress(job: JobRecord, data: dict[str, Any]) -> None:
-    if data.get("source") != COORDINATOR_SOURCE:
-        return  # trainers report their own work; the coordinator's count is the job's
-    consumed = consumed_batches(data)
-    if consumed is None:
-        logger.warning("job %s: coordinator progress without consumed_batches", job.job_id)
-        return
-    # Latest wins: a new coordinator after a failover rebuilds the same count from the log.
-    job.consumed = max(0, consumed)
-    # Latest wins too: a report without routing (equal allocation, no trainer known) clears it.
-    job.routing = parse_routing(data.get("routing")) or []

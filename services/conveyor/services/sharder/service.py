@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 
 from aiokafka import TopicPartition
 from opentelemetry import context as otel_context
@@ -43,7 +42,14 @@ from conveyor.platform.bus import (
     process_span,
 )
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import JobEvent, ShardTask, Topics
+from conveyor.platform.messages import (
+    JobCancelled,
+    JobEvent,
+    JobFailed,
+    JobPlanned,
+    ShardTask,
+    Topics,
+)
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge
 from conveyor.services.sharder.config import SharderSettings, group_id
@@ -179,7 +185,8 @@ class SharderService(Service):
             elif job.outcome_published:
                 continue  # our failed/cancelled event is on its way back
             elif job.cancel_requested:
-                await self._publish_outcome(job, "cancelled", "cancel requested")
+                cancelled = JobCancelled(job_id=job.job_id, reason="cancel requested")
+                await self._publish_outcome(job, cancelled)
             else:
                 if job.plan is None:
                     await self._plan(job)
@@ -204,14 +211,14 @@ class SharderService(Service):
             try:
                 made = await self._make_plan(job)
             except _PlanFailed as exc:
-                await self._publish_outcome(job, "failed", str(exc))
+                await self._publish_outcome(job, JobFailed(job_id=job.job_id, reason=str(exc)))
                 return
             if made is None:
                 return  # storage unavailable: try again on the next pass
             plan, dataset = made
             await self._create_job_topics(job)
             if not job.planned_seen:
-                await self._publish(job.job_id, "planned", self._planned_data(job, plan, dataset))
+                await self._publish(self._planned(job, plan, dataset))
             assert job.spec is not None
             job.plan = plan
             job.flow = FlowControl(plan, max_lead_batches=job.spec.flow.max_lead_batches)
@@ -263,21 +270,22 @@ class SharderService(Service):
             raise _PlanFailed(f"cannot train model {job.spec.model.name!r}: {exc}") from exc
         return plan, dataset
 
-    def _planned_data(self, job: JobRecord, plan: JobPlan, dataset: Dataset) -> dict[str, Any]:
+    def _planned(self, job: JobRecord, plan: JobPlan, dataset: Dataset) -> JobPlanned:
         assert job.spec is not None
-        return {
-            "num_train": plan.num_train,
-            "num_eval": plan.num_eval,
-            "num_classes": dataset.num_classes,
-            "sample_shape": list(dataset.sample_shape),
-            "train_batches_per_epoch": plan.train_batches_per_epoch,
-            "eval_batches_per_epoch": plan.eval_batches_per_epoch,
-            "steps_per_epoch": plan.steps_per_epoch(job.spec.micro_batches_per_step),
-            "shards_per_epoch": plan.tasks_per_epoch,
-            "batches_topic": self.topics.batches(job.job_id),
-            "control_topic": self.topics.control(job.job_id),
-            "batches_partitions": self._batches_partitions(job),
-        }
+        return JobPlanned(
+            job_id=job.job_id,
+            num_train=plan.num_train,
+            num_eval=plan.num_eval,
+            num_classes=dataset.num_classes,
+            sample_shape=list(dataset.sample_shape),
+            train_batches_per_epoch=plan.train_batches_per_epoch,
+            eval_batches_per_epoch=plan.eval_batches_per_epoch,
+            steps_per_epoch=plan.steps_per_epoch(job.spec.micro_batches_per_step),
+            shards_per_epoch=plan.tasks_per_epoch,
+            batches_topic=self.topics.batches(job.job_id),
+            control_topic=self.topics.control(job.job_id),
+            batches_partitions=self._batches_partitions(job),
+        )
 
     def _batches_partitions(self, job: JobRecord) -> int:
         assert job.spec is not None
@@ -360,15 +368,14 @@ class SharderService(Service):
             consumer.ack(job.submitted)
             logger.info("job %s: finished; topics deleted", job.job_id)
 
-    async def _publish_outcome(self, job: JobRecord, event: str, reason: str) -> None:
-        logger.warning("job %s: %s: %s", job.job_id, event, reason)
-        await self._publish(job.job_id, event, {"reason": reason})
+    async def _publish_outcome(self, job: JobRecord, event: JobFailed | JobCancelled) -> None:
+        logger.warning("job %s: %s: %s", job.job_id, event.EVENT, event.reason)
+        await self._publish(event)
         job.outcome_published = True
 
-    async def _publish(self, job_id: str, event: str, data: dict[str, Any]) -> None:
+    async def _publish(self, event: JobEvent) -> None:
         assert self._producer is not None
-        message = JobEvent(job_id=job_id, event=event, at=time.time(), data=data)
-        await self._producer.publish(self.topics.jobs, message, key=job_id)
+        await self._producer.publish(self.topics.jobs, event, key=event.job_id)
 
 
 def _lead(job: JobRecord) -> int:

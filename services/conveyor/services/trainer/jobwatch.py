@@ -1,4 +1,4 @@
-"""Which job to join: the fold of ``conveyor.jobs``, and a job's plan as the trainer reads it.
+"""Which job to join: the fold of ``conveyor.jobs``.
 
 A trainer joins a job that is planned (or already running: a restarted trainer resumes it),
 not terminal and not asked to cancel; the oldest submission first. It leaves when the job turns
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Container, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Container
 
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import JobEvent, Topics
@@ -20,59 +18,6 @@ from conveyor.training.jobview import JobLogReader, JobsView, JobView
 logger = logging.getLogger(__name__)
 
 _JOINABLE = frozenset({"planned", "running"})
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JobPlan:
-    """The sharder's ``planned`` event data, checked."""
-
-    num_train: int
-    num_eval: int
-    num_classes: int
-    sample_shape: tuple[int, int, int]
-    """(C, H, W) of every sample."""
-    train_batches_per_epoch: int
-    eval_batches_per_epoch: int
-    steps_per_epoch: int
-    batches_topic: str
-    control_topic: str
-    batches_partitions: int
-
-    @classmethod
-    def from_event_data(cls, data: Mapping[str, Any]) -> JobPlan:
-        """Parse the ``planned`` data; ValueError naming the first missing or invalid field."""
-
-        def integer(name: str, minimum: int) -> int:
-            value = data.get(name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"plan field {name!r} must be an integer >= {minimum}: {value!r}")
-            return value
-
-        def text(name: str) -> str:
-            value = data.get(name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"plan field {name!r} must be a non-empty string: {value!r}")
-            return value
-
-        shape = data.get("sample_shape")
-        if (
-            not isinstance(shape, list | tuple)
-            or len(shape) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)
-        ):
-            raise ValueError(f"plan field 'sample_shape' must be [C, H, W] > 0: {shape!r}")
-        return cls(
-            num_train=integer("num_train", 1),
-            num_eval=integer("num_eval", 0),
-            num_classes=integer("num_classes", 1),
-            sample_shape=(shape[0], shape[1], shape[2]),
-            train_batches_per_epoch=integer("train_batches_per_epoch", 1),
-            eval_batches_per_epoch=integer("eval_batches_per_epoch", 0),
-            steps_per_epoch=integer("steps_per_epoch", 1),
-            batches_topic=text("batches_topic"),
-            control_topic=text("control_topic"),
-            batches_partitions=integer("batches_partitions", 1),
-        )
 
 
 class JobWatcher:

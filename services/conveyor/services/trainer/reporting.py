@@ -18,7 +18,7 @@ from typing import Any
 from aiokafka.structs import RecordMetadata
 
 from conveyor.platform.bus import Producer
-from conveyor.platform.messages import Heartbeat, JobEvent
+from conveyor.platform.messages import Heartbeat, JobEvent, TrainerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Reporter:
         self._urgent = False
         self._last_key = key
         self._last_progress_at = now
-        await self.send_event("progress", {"worker_id": self.worker_id, **data})
+        await self.send_event(TrainerProgress(job_id=self.job_id, worker_id=self.worker_id, **data))
 
     async def send_heartbeat(self, **extra: Any) -> None:
         """Enqueue a heartbeat whose info is the snapshot plus ``extra``."""
@@ -96,17 +96,14 @@ class Reporter:
         ack = await self._producer.send(self._control_topic, message, key=self.worker_id)
         ack.add_done_callback(_log_failure)
 
-    async def send_event(self, event: str, data: dict[str, Any]) -> None:
+    async def send_event(self, event: JobEvent) -> None:
         """Enqueue a job event (not waiting for the broker's ack; failures are logged)."""
-        ack = await self._producer.send(self._jobs_topic, self._event(event, data), key=self.job_id)
+        ack = await self._producer.send(self._jobs_topic, event, key=self.job_id)
         ack.add_done_callback(_log_failure)
 
-    async def publish_event(self, event: str, data: dict[str, Any]) -> None:
+    async def publish_event(self, event: JobEvent) -> None:
         """Publish a job event and wait until the broker has it."""
-        await self._producer.publish(self._jobs_topic, self._event(event, data), key=self.job_id)
-
-    def _event(self, event: str, data: dict[str, Any]) -> JobEvent:
-        return JobEvent(job_id=self.job_id, event=event, at=time.time(), data=data)
+        await self._producer.publish(self._jobs_topic, event, key=self.job_id)
 
 
 def _log_failure(ack: asyncio.Future[RecordMetadata]) -> None:

@@ -35,7 +35,7 @@ from torch import nn
 
 from conveyor.platform.bus import Consumer, Producer, Received, Tailed, TopicTail
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import EvalResult, ParamSlice, StepClose
+from conveyor.platform.messages import EvalResult, ParamSlice, StepClose, TrainerJoined
 from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
 from conveyor.services.trainer.compute import MicroResult
 from conveyor.services.trainer.config import TrainerSettings, group_id
@@ -48,10 +48,11 @@ from conveyor.services.trainer.metrics import TrainerMetrics
 from conveyor.services.trainer.params import ParamAssembler
 from conveyor.services.trainer.reporting import Reporter
 from conveyor.services.trainer.sending import ContributionSender
-from conveyor.services.trainer.session import JobFailed, JobSession
+from conveyor.services.trainer.session import JobSession
 from conveyor.services.trainer.snapshots import EpochSnapshots
 from conveyor.services.trainer.steps import Outstanding, Pending
 from conveyor.services.trainer.wakeup import Signal
+from conveyor.training.jobhost import JobFailure
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ _EVAL_ONLY_POLL_S = 1.0
 class JobRunner:
     """Trains one job until cancelled (the service cancels it when the job is terminal).
 
-    Raises :class:`JobFailed` when the job cannot go on, ``BusError`` when the broker failed
+    Raises :class:`JobFailure` when the job cannot go on, ``BusError`` when the broker failed
     (retriable ones: the service rejoins after a backoff).
     """
 
@@ -144,7 +145,9 @@ class JobRunner:
                 "job %s: joined at version %d (epoch %d)",
                 session.job_id, self.control.version, self.control.current_epoch,
             )  # fmt: skip
-            await self.reporter.publish_event("running", {"worker_id": self.settings.worker_id})
+            await self.reporter.publish_event(
+                TrainerJoined(job_id=session.job_id, worker_id=self.settings.worker_id)
+            )
             async with Consumer(
                 kafka,
                 [session.plan.batches_topic],
@@ -231,7 +234,7 @@ class JobRunner:
                 try:
                     self.params.add(record.message)
                 except ValueError as exc:
-                    raise JobFailed(f"parameters on {record.topic} do not fit: {exc}") from exc
+                    raise JobFailure(f"parameters on {record.topic} do not fit: {exc}") from exc
         self._keep_epoch_params()
         self.signal.fire()
 
@@ -499,7 +502,7 @@ class JobRunner:
         try:
             result = await loop.run_in_executor(self._compute_executor, fn, *args)
         except Exception as exc:
-            raise JobFailed(f"training failed: {type(exc).__name__}: {exc}") from exc
+            raise JobFailure(f"training failed: {type(exc).__name__}: {exc}") from exc
         if span is not None:
             parent = trace.set_span_in_context(span.span)
             self._tracer.start_span("compute", context=parent, start_time=started_ns).end()

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 from conveyor.platform.bus import BusError, Producer
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.messages import JobCancelled, JobEvent, JobFailed, Topics
 from conveyor.platform.service import Service
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.jobwatch import JobWatcher
 from conveyor.services.trainer.metrics import TrainerMetrics
 from conveyor.services.trainer.runner import JobRunner
-from conveyor.services.trainer.session import JobFailed, prepare_job
+from conveyor.services.trainer.session import prepare_job
+from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobview import JobView
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class TrainerService(Service):
             session = await loop.run_in_executor(
                 compute, prepare_job, job, self.settings, self.topics
             )
-        except JobFailed as exc:
+        except JobFailure as exc:
             await self._finish(producer, job_id, "failed", str(exc))
             return
         runner = JobRunner(
@@ -162,7 +163,7 @@ class TrainerService(Service):
         exc = task.exception()
         if exc is None:  # a runner only returns when cancelled; defensive: never rejoin
             self._finished.add(job_id)
-        elif isinstance(exc, JobFailed):
+        elif isinstance(exc, JobFailure):
             await self._finish(producer, job_id, "failed", str(exc))
         elif getattr(exc, "retriable", False):
             logger.warning(
@@ -186,14 +187,16 @@ class TrainerService(Service):
         except TimeoutError:
             return None
 
-    async def _finish(self, producer: Producer, job_id: str, event: str, reason: str) -> None:
+    async def _finish(
+        self, producer: Producer, job_id: str, outcome: Literal["failed", "cancelled"], reason: str
+    ) -> None:
         """Publish a terminal event for ``job_id`` and never join it again."""
-        logger.warning("job %s %s: %s", job_id, event, reason)
-        message = JobEvent(
-            job_id=job_id,
-            event=event,
-            at=time.time(),
-            data={"reason": reason, "worker_id": self.settings.worker_id},
+        logger.warning("job %s %s: %s", job_id, outcome, reason)
+        worker_id = self.settings.worker_id
+        message: JobEvent = (
+            JobFailed(job_id=job_id, reason=reason, worker_id=worker_id)
+            if outcome == "failed"
+            else JobCancelled(job_id=job_id, reason=reason, worker_id=worker_id)
         )
         await producer.publish(self.topics.jobs, message, key=job_id)
         self._finished.add(job_id)

@@ -2,7 +2,7 @@
 
 :func:`prepare_job` is blocking (it builds the model): call it from the compute thread. Any
 problem that no retry can fix (an invalid spec or plan, an unknown model option, a model with
-buffers, no CUDA where the job demands it) raises :class:`JobFailed` with a reason for the
+buffers, no CUDA where the job demands it) raises :class:`JobFailure` with a reason for the
 ``failed`` event.
 """
 
@@ -10,30 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
 
-from conveyor.platform.errors import ConveyorError
-from conveyor.platform.messages import Topics
+from conveyor.platform.messages import JobPlanned, Topics
 from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.gradients import SliceEncoder
-from conveyor.services.trainer.jobwatch import JobPlan
+from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobView
 from conveyor.training.slicing import ParamLayout, build_job_model
-
-
-class TrainerError(ConveyorError):
-    """Base of the trainer's own errors."""
-
-
-class JobFailed(TrainerError):
-    """The job cannot be trained; ``str(exc)`` is the reason published with ``failed``."""
-
-    retriable: ClassVar[bool] = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,7 +30,7 @@ class JobSession:
 
     job_id: str
     spec: JobSpec
-    plan: JobPlan
+    plan: JobPlanned
     topics: Topics
     device: torch.device
     model: nn.Module
@@ -67,7 +55,7 @@ class JobSession:
         return self.topics.params(self.job_id)
 
 
-def max_in_flight(spec: JobSpec, plan: JobPlan, settings: TrainerSettings) -> int:
+def max_in_flight(spec: JobSpec, plan: JobPlanned, settings: TrainerSettings) -> int:
     """Batches delivered but not yet acknowledged that the trainer must be able to hold.
 
     A batch is acknowledged once the control log shows its effect, so the consumer must hold:
@@ -93,22 +81,24 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
 
     The model starts at version 0 (seeded by ``spec.training.seed``), as the aggregator's;
     the trainer still loads every version, 0 included, from the params topic. Raises
-    :class:`JobFailed`.
+    :class:`JobFailure`.
     """
+    plan = job.plan
+    if plan is None:
+        raise JobFailure("invalid job: it has no plan yet")
     try:
         spec = JobSpec.from_dict(job.spec)
-        plan = JobPlan.from_event_data(job.plan or {})
     except ValueError as exc:
-        raise JobFailed(f"invalid job: {exc}") from exc
+        raise JobFailure(f"invalid job: {exc}") from exc
     try:
         device = resolve_device(settings.device or spec.resources.device)
         apply_resources(spec.resources, device)
         model = build_job_model(
-            spec, num_classes=plan.num_classes, sample_shape=plan.sample_shape
+            spec, num_classes=plan.num_classes, sample_shape=plan.shape
         ).to(device)
         layout = ParamLayout.from_model(model)
         bounds = layout.slice_bounds(spec.distribution.aggregator_shards)
-        normalizer = Normalizer(spec.preprocess.normalize, plan.sample_shape[0], device)
+        normalizer = Normalizer(spec.preprocess.normalize, plan.shape[0], device)
         engine = Engine(
             model,
             device,
@@ -120,7 +110,7 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
         )
     except (ValueError, TypeError, RuntimeError) as exc:
         # TypeError: a model option of the wrong kind; RuntimeError: torch (CUDA OOM, ...).
-        raise JobFailed(f"cannot set up training: {exc}") from exc
+        raise JobFailure(f"cannot set up training: {exc}") from exc
     return JobSession(
         job_id=job.job_id,
         spec=spec,

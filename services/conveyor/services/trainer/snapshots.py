@@ -20,7 +20,8 @@ from torch import nn
 from conveyor.platform.config import KafkaSettings
 from conveyor.services.trainer.control import ControlState
 from conveyor.services.trainer.params import fetch_version
-from conveyor.services.trainer.session import JobFailed, JobSession
+from conveyor.services.trainer.session import JobSession
+from conveyor.training.jobhost import JobFailure
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class EpochSnapshots:
             self._models.pop(epoch, None)
 
     async def model(self, epoch: int, control: ControlState) -> nn.Module:
-        """The frozen model at ``epoch``'s end. Raises :class:`JobFailed` when its parameters
+        """The frozen model at ``epoch``'s end. Raises :class:`JobFailure` when its parameters
         are gone from the params topic (retention), ``BusError`` when the broker fails."""
         model = self._models.get(epoch)
         if model is not None:
@@ -81,7 +82,7 @@ class EpochSnapshots:
                 self._kafka, session.params_topic, version, session.num_slices
             )
             if flat is None:
-                raise JobFailed(
+                raise JobFailure(
                     f"the parameters of version {version} (end of epoch {epoch}) are no longer "
                     f"on {session.params_topic}: its eval batches cannot be evaluated"
                 )

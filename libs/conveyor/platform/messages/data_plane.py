@@ -1,5 +1,6 @@
-"""Schemas of the job and data plane: job lifecycle events, shard tasks for the
-preprocessors, ready batches for the trainers, workers' heartbeats and dead letters."""
+"""Schemas of the data plane: shard tasks for the preprocessors, ready batches for the
+trainers, workers' heartbeats and dead letters (the job's own events are in
+:mod:`~conveyor.platform.messages.job_events`)."""
 
 from __future__ import annotations
 
@@ -34,21 +35,6 @@ class DeadLetter(Message):
     """The record value as received (the sender may cut it to fit the size limits)."""
     failed_at: float
     """When it failed, unix time in seconds."""
-
-
-@message("JobEvent", version=1)
-@dataclass(kw_only=True, slots=True)
-class JobEvent(Message):
-    """One step in a job's life on ``Topics.jobs``; the job state is the fold of its events."""
-
-    job_id: str
-    """Id of the job."""
-    event: str
-    """What happened (``submitted``, ``running``, ``failed``, ...)."""
-    at: float
-    """When it happened, unix time in seconds."""
-    data: dict[str, Any]
-    """Event-specific details (the spec on submit, the reason on failure, ...)."""
 
 
 @message("ShardTask", version=2)

@@ -1,0 +1,279 @@
+"""The events of ``Topics.jobs``: a job's life, one registered message per kind of event.
+
+The job state is the fold of these events in log order (per job the order is the partition's:
+every event is keyed by the job id). Consumers dispatch on the type. ``EVENT`` is the event's
+stable name in the gateway's progress stream (server-sent events) and in logs; ``details()``
+is its data there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from conveyor.platform.messages.registry import Message, message
+
+COORDINATOR_WORKER_ID = "coordinator"
+"""``worker_id`` of the events a job's coordinator publishes (the aggregator process that owns
+slice 0 of the job)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobEvent(Message):
+    """Base of every event on ``Topics.jobs`` (not itself a wire message)."""
+
+    EVENT: ClassVar[str]
+    """Name of the event in the progress stream (``submitted``, ``planned``, ...)."""
+
+    job_id: str
+    """Id of the job (also the record key)."""
+    at: float = dataclasses.field(default_factory=time.time)
+    """When it happened, unix time in seconds."""
+
+    def details(self) -> dict[str, Any]:
+        """The event's own fields (not ``job_id`` and ``at``) as plain values."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("job_id", "at")
+        }
+
+
+_PLAN_MINIMUMS = {
+    "num_train": 1,
+    "num_eval": 0,
+    "num_classes": 1,
+    "train_batches_per_epoch": 1,
+    "eval_batches_per_epoch": 0,
+    "steps_per_epoch": 1,
+    "shards_per_epoch": 1,
+    "batches_partitions": 1,
+}
+
+
+@message("JobSubmitted", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobSubmitted(JobEvent):
+    """The gateway accepted a job. The first one of a job id wins; a repeat is ignored."""
+
+    EVENT: ClassVar[str] = "submitted"
+
+    spec: dict[str, Any]
+    """The job spec as validated by the gateway (JSON-compatible)."""
+    idempotency_key: str | None = None
+    """The ``Idempotency-Key`` it was submitted with, if any."""
+
+
+@message("JobPlanned", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobPlanned(JobEvent):
+    """The sharder read the dataset, planned the job and created its topics: the one answer
+    to "what is this job's plan" that trainers and aggregators build from."""
+
+    EVENT: ClassVar[str] = "planned"
+
+    num_train: int
+    """Training samples per epoch."""
+    num_eval: int
+    """Evaluation samples per epoch."""
+    num_classes: int
+    """Classes of the dataset (the model's output size)."""
+    sample_shape: list[int]
+    """[C, H, W] of every sample."""
+    train_batches_per_epoch: int
+    """Training micro-batches of one epoch."""
+    eval_batches_per_epoch: int
+    """Evaluation micro-batches of one epoch."""
+    steps_per_epoch: int
+    """Optimizer steps of one epoch."""
+    shards_per_epoch: int
+    """Shard tasks of one epoch (train and eval)."""
+    batches_topic: str
+    """The job's batches topic."""
+    control_topic: str
+    """The job's control topic."""
+    batches_partitions: int
+    """Partitions of the batches topic."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in _PLAN_MINIMUMS.items():
+            if getattr(self, name) < minimum:
+                raise ValueError(f"JobPlanned.{name} must be >= {minimum}: {getattr(self, name)}")
+        if len(self.sample_shape) != 3 or min(self.sample_shape) < 1:
+            raise ValueError(f"JobPlanned.sample_shape must be [C, H, W] > 0: {self.sample_shape}")
+        if not (self.batches_topic and self.control_topic):
+            raise ValueError("JobPlanned needs the batches and control topic names")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of every sample."""
+        channels, height, width = self.sample_shape
+        return channels, height, width
+
+
+@message("CancelRequested", version=1)
+@dataclass(kw_only=True, slots=True)
+class CancelRequested(JobEvent):
+    """Someone asked to stop the job; it turns cancelled once its services have stopped."""
+
+    EVENT: ClassVar[str] = "cancel_requested"
+
+    reason: str
+    """Why, for people."""
+
+
+@message("TrainerJoined", version=1)
+@dataclass(kw_only=True, slots=True)
+class TrainerJoined(JobEvent):
+    """A trainer joined the job (the first one makes it running)."""
+
+    EVENT: ClassVar[str] = "running"
+
+    worker_id: str
+    """The trainer."""
+
+
+@message("TrainerProgress", version=1)
+@dataclass(kw_only=True, slots=True)
+class TrainerProgress(JobEvent):
+    """One trainer's own figures, rate-limited (the job's totals come from the coordinator)."""
+
+    EVENT: ClassVar[str] = "progress"
+
+    worker_id: str
+    """The trainer."""
+    epoch: int
+    """Epoch it works on."""
+    step: int
+    """Parameter version it last loaded."""
+    samples_trained: int
+    """Training samples it computed gradients on."""
+    batches_trained: int
+    """Training micro-batches it computed."""
+    eval_batches: int
+    """Evaluation micro-batches it evaluated."""
+    duplicates: int
+    """Redelivered batches it dropped."""
+    contributions: int
+    """Contributions it sent."""
+    empty_contributions: int
+    """Contributions without samples (a step it had no batch for)."""
+    rejected_contributions: int
+    """Contributions rejected as too stale."""
+    grad_bytes: int
+    """Gradient payload bytes it sent."""
+    loss: float | None
+    """Mean training loss of its last contribution."""
+    samples_per_second: float
+    """Its recent wall-clock throughput."""
+    data_wait_ratio: float | None
+    """Recent exposed data wait / step time (None before a step)."""
+    data_wait_ratio_job: float | None
+    """The same over its whole time in the job."""
+    stage_latency_s: dict[str, float]
+    """Median seconds per pipeline stage of its recent batches."""
+    stage_latency_p95_s: dict[str, float]
+    """95th percentile seconds per stage."""
+
+
+@message("CoordinatorProgress", version=1)
+@dataclass(kw_only=True, slots=True)
+class CoordinatorProgress(JobEvent):
+    """The job's totals from its coordinator: what the flow control and the routing of
+    batches follow (the sharder) and what the gateway shows as the job's counts."""
+
+    EVENT: ClassVar[str] = "progress"
+
+    worker_id: str = COORDINATOR_WORKER_ID
+    """Always :data:`COORDINATOR_WORKER_ID`."""
+    consumed_batches: int
+    """Train batches applied plus eval batches evaluated, all epochs."""
+    consumed_train_batches: int
+    """Train batches applied."""
+    version: int
+    """Current parameter version."""
+    step: int
+    """Steps closed."""
+    epoch: int
+    """Current epoch."""
+    samples_trained: int
+    """Training samples applied."""
+    loss: float | None
+    """Mean training loss of the last step."""
+    routing: list[float] = dataclasses.field(default_factory=list)
+    """One weight per partition of the batches topic, stamped into the shard tasks released
+    from now on; empty: unweighted."""
+
+    def __post_init__(self) -> None:
+        if self.consumed_batches < 0 or self.consumed_train_batches < 0:
+            raise ValueError("CoordinatorProgress counts must be >= 0")
+        if self.routing and not (
+            all(math.isfinite(w) and w >= 0 for w in self.routing) and sum(self.routing) > 0
+        ):
+            raise ValueError(f"routing weights must be finite, >= 0 with a positive sum, "
+                             f"got {self.routing!r}")  # fmt: skip
+
+
+@message("EpochCompleted", version=1)
+@dataclass(kw_only=True, slots=True)
+class EpochCompleted(JobEvent):
+    """The coordinator closed an epoch and evaluated its end-of-epoch parameters."""
+
+    EVENT: ClassVar[str] = "epoch_completed"
+
+    epoch: int
+    """The epoch, from 0."""
+    version: int
+    """Parameter version at its end."""
+    train_loss: float | None
+    """Mean training loss over the epoch."""
+    eval_loss: float | None
+    """Mean evaluation loss (None: no eval split)."""
+    eval_accuracy: float | None
+    """Evaluation accuracy in [0, 1] (None: no eval split)."""
+
+
+@message("JobCompleted", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobCompleted(JobEvent):
+    """The job trained to its end; the model and ledger are written."""
+
+    EVENT: ClassVar[str] = "completed"
+
+    worker_id: str
+    """The coordinator's process."""
+    summary: dict[str, Any]
+    """Epochs, steps, samples, final evaluation, throughput, data wait, output uris."""
+
+
+@message("JobFailed", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobFailed(JobEvent):
+    """The job cannot go on (bad spec or dataset, a model that cannot be built, ...)."""
+
+    EVENT: ClassVar[str] = "failed"
+
+    reason: str
+    """Why, for people."""
+    worker_id: str | None = None
+    """The process that failed it, when it has a worker id."""
+
+
+@message("JobCancelled", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobCancelled(JobEvent):
+    """The job stopped after a cancel request."""
+
+    EVENT: ClassVar[str] = "cancelled"
+
+    reason: str
+    """Why, for people."""
+    worker_id: str | None = None
+    """The process that stopped it, when it has a worker id."""
+
+
+TERMINAL_EVENTS: tuple[type[JobEvent], ...] = (JobCompleted, JobFailed, JobCancelled)
+"""Events after which nothing more happens to a job."""
