@@ -1,10 +1,54 @@
-"""What the services that work on jobs (trainer, aggregator) share about a job's lifetime."""
+"""The job host: what the services that work on jobs (trainer, aggregator) share.
+
+A :class:`JobHostService` replays ``conveyor.jobs`` into a :class:`JobsView` (``/readyz``
+turns 200 once caught up), then keeps one task per job it hosts: the oldest servable jobs
+first (planned or running, not terminal, not asked to cancel), at most ``max_jobs`` at once.
+A task prepares the job in a thread (:meth:`~JobHostService.prepare_job`, again for every
+attempt) and runs it (:meth:`~JobHostService.run_job`) until the job turns terminal or a
+cancel is requested; then the host lets it go (cancels the task once; the subclass's work
+leaves its consumer groups).
+
+What a task's end means, the same for every host:
+
+- ``run_job`` returned: the work is done; the job is not taken again.
+- :class:`JobFailure` (from either hook): the host publishes :class:`JobFailed` with the
+  reason and does not take the job again.
+- Any other error: the host waits up to ``retry_backoff_s`` for the jobs topic to say the job
+  ended (its topics are deleted under the work when it does; then the job is simply done).
+  Otherwise a retriable error (``retriable = True`` on the class: broker, storage) runs the
+  job again; anything else ends the process (``run()`` raises) so that its supervisor
+  restarts it.
+- Let go because a cancel was requested: hosts with ``publishes_cancelled`` publish
+  :class:`JobCancelled` (the trainer: it is what the user waits for).
+
+A stop (SIGTERM) cancels every job task during the drain and waits for them.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
+from typing import Any, ClassVar, Generic, TypeVar
 
+from conveyor.platform.bus import BusError, Producer
+from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.errors import ConveyorError
+from conveyor.platform.messages import JobCancelled, JobFailed, Topics
+from conveyor.platform.service import Service
+from conveyor.training.jobview import JobLogReader, JobsView, JobView
+
+logger = logging.getLogger(__name__)
+
+Prepared = TypeVar("Prepared")
+
+_TOPIC_WAIT_S = 1.0
+"""Seconds between attempts to open the jobs topic while it does not exist yet."""
+_RECONCILE_S = 1.0
+"""Longest pause between two passes over the jobs (a change wakes the host at once)."""
 
 
 class JobFailure(ConveyorError):
@@ -12,3 +56,233 @@ class JobFailure(ConveyorError):
     gradient, ...); ``str(exc)`` is the reason published with :class:`JobFailed`."""
 
     retriable: ClassVar[bool] = False
+
+
+class JobHostService(Service, Generic[Prepared]):
+    """A service that hosts jobs; subclasses provide :meth:`prepare_job` and :meth:`run_job`.
+
+    ``worker_id`` names this process in the events it publishes; ``retry_backoff_s`` is the
+    pause before a job is run again after a retriable failure (and the longest wait for the
+    jobs topic to say that a failing job ended).
+    """
+
+    max_jobs: ClassVar[int | None] = None
+    """Jobs hosted at once (None: every servable job)."""
+    publishes_cancelled: ClassVar[bool] = False
+    """Publish :class:`JobCancelled` when a job is let go because of a cancel request."""
+
+    def __init__(
+        self,
+        *,
+        kafka: KafkaSettings,
+        telemetry: TelemetrySettings,
+        worker_id: str,
+        retry_backoff_s: float,
+        drain_timeout_s: float = 20.0,
+    ) -> None:
+        super().__init__(telemetry=telemetry, drain_timeout_s=drain_timeout_s)
+        self.kafka = kafka
+        self.topics = Topics(kafka.topic_prefix)
+        self.worker_id = worker_id
+        self.retry_backoff_s = retry_backoff_s
+        self.view = JobsView()
+        """Every job, folded from the jobs topic."""
+        self._reader: JobLogReader | None = None
+        self._producer: Producer | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._finished: set[str] = set()
+        self._changed = asyncio.Event()
+        """Set on every applied event and finished task: wakes the reconcile loop."""
+        self._waiters: set[asyncio.Event] = set()
+
+    # -- what subclasses provide ---------------------------------------------------------
+
+    @abc.abstractmethod
+    async def prepare_job(self, job: JobView) -> Prepared:
+        """Build what the job needs (off the event loop: a thread). Raises JobFailure."""
+
+    @abc.abstractmethod
+    async def run_job(self, job: JobView, prepared: Prepared) -> None:
+        """Work on the job until it is done (return) or cancelled (let go, or stopping).
+
+        Raises JobFailure when the job cannot go on; other errors follow the module's rules.
+        """
+
+    async def setup(self, resources: AsyncExitStack) -> None:
+        """Acquire what every job shares (executors, ...); released by ``resources`` when
+        ``run()`` ends. Default: nothing."""
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        """Coroutines that run beside the jobs for the life of ``run()`` (a warm-up, ...);
+        one that raises ends the service. Default: none."""
+        return []
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def producer(self) -> Producer:
+        """The process's producer (available while ``run()`` runs)."""
+        if self._producer is None:
+            raise RuntimeError(f"{self.name}: the producer exists only while run() runs")
+        return self._producer
+
+    @property
+    def hosted_jobs(self) -> list[str]:
+        """Ids of the jobs with a task now, oldest first."""
+        return list(self._tasks)
+
+    def readiness(self) -> bool:
+        return super().readiness() and self._reader is not None and self._reader.ready
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        reader = JobLogReader(
+            self.kafka,
+            self.topics.jobs,
+            self.view,
+            service=self.name,
+            on_applied=lambda job, event: self._wake(),
+        )
+        await self._open(reader)
+        try:
+            async with AsyncExitStack() as resources, asyncio.TaskGroup() as group:
+                self._producer = await resources.enter_async_context(Producer(self.kafka))
+                await self.setup(resources)
+                group.create_task(reader.run(), name=f"{self.name}.jobs")
+                for work in self.background():
+                    group.create_task(work)
+                self._reader = reader
+                await reader.wait_ready()
+                while True:
+                    self._changed.clear()
+                    await self._reconcile()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), _RECONCILE_S)
+        finally:
+            await self._stop_jobs()
+            await reader.stop()
+            self._producer = None
+
+    async def drain(self) -> None:
+        # Let every job go now: the work leaves its groups, so the other processes take over.
+        await self._stop_jobs()
+
+    async def _open(self, reader: JobLogReader) -> None:
+        while True:
+            try:
+                await reader.start()
+                return
+            except BusError as exc:
+                logger.info("waiting for %s: %s", self.topics.jobs, exc)
+                await asyncio.sleep(_TOPIC_WAIT_S)
+
+    # -- hosting ---------------------------------------------------------------------------
+
+    def _servable(self, job: JobView | None) -> bool:
+        return (
+            job is not None
+            and job.state in ("planned", "running")
+            and job.plan is not None
+            and not job.cancel_requested
+        )
+
+    async def _reconcile(self) -> None:
+        for job_id, task in list(self._tasks.items()):
+            job = self.view.get(job_id)
+            if task.done():
+                del self._tasks[job_id]
+                await self._settle(job_id, task)
+            elif not self._servable(job) and not task.cancelling():
+                # Once: a second cancel would cut the work's own stop short.
+                logger.info("job %s: %s; letting it go", job_id, job.state if job else "gone")
+                task.cancel()
+        for job in reversed(self.view.list(limit=len(self.view) or 1)):  # oldest first
+            if self.max_jobs is not None and len(self._tasks) >= self.max_jobs:
+                break
+            taken = job.job_id in self._tasks or job.job_id in self._finished
+            if not taken and self._servable(job) and not self.stopping:
+                task = asyncio.create_task(self._host(job), name=f"{self.name}.job.{job.job_id}")
+                task.add_done_callback(lambda _: self._wake())
+                self._tasks[job.job_id] = task
+
+    async def _settle(self, job_id: str, task: asyncio.Task[None]) -> None:
+        """What a finished job task means (see the module docstring)."""
+        if not task.cancelled():
+            task.result()  # an error _host did not handle ends run(): the process restarts
+            return
+        job = self.view.get(job_id)
+        if job is None or self.stopping:
+            return
+        if job.cancel_requested and not job.terminal and self.publishes_cancelled:
+            await self._publish(JobCancelled(
+                job_id=job_id, reason="cancel requested", worker_id=self.worker_id
+            ))  # fmt: skip
+        if job.cancel_requested or job.terminal:
+            self._finished.add(job_id)
+            logger.info("left job %s: %s", job_id, job.state)
+
+    async def _host(self, job: JobView) -> None:
+        """Prepare and run one job, retrying what may be retried (see the module docstring)."""
+        logger.info("job %s (%s): taking it", job.job_id, job.name)
+        try:
+            while True:
+                # Prepared again for every attempt: a retry starts from a clean state.
+                prepared = await self.prepare_job(job)
+                try:
+                    await self.run_job(job, prepared)
+                    break
+                except JobFailure:
+                    raise
+                except Exception as exc:
+                    logger.warning("job %s: %s: %s", job.job_id, type(exc).__name__, exc)
+                    if await self._ended_meanwhile(job.job_id):
+                        logger.info("job %s: ended meanwhile", job.job_id)
+                        break
+                    if not getattr(exc, "retriable", False):
+                        raise
+                    logger.info("job %s: running it again", job.job_id)
+        except JobFailure as exc:
+            await self._publish(
+                JobFailed(job_id=job.job_id, reason=str(exc), worker_id=self.worker_id)
+            )
+        self._finished.add(job.job_id)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        for waiter in self._waiters:
+            waiter.set()
+
+    async def _ended_meanwhile(self, job_id: str) -> bool:
+        """Wait up to ``retry_backoff_s`` for the job to stop being servable; True if it did."""
+        changed = asyncio.Event()
+        self._waiters.add(changed)
+        try:
+            async with asyncio.timeout(self.retry_backoff_s):
+                while self._servable(self.view.get(job_id)):
+                    changed.clear()
+                    await changed.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiters.discard(changed)
+
+    async def _publish(self, event: JobFailed | JobCancelled) -> None:
+        logger.warning("job %s %s: %s", event.job_id, event.EVENT, event.reason)
+        await self.producer.publish(self.topics.jobs, event, key=event.job_id)
+        self._finished.add(event.job_id)
+
+    async def _stop_jobs(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            if not task.cancelling():  # a job let go is leaving already: let it finish
+                task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for task in tasks:
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                logger.error("%s failed while stopping", task.get_name(), exc_info=failure)
+        self._tasks.clear()
+

@@ -1,42 +1,36 @@
 """The aggregator service: serves the gradient plane of every running job.
 
-Lifecycle (``run``): replay the jobs topic into a :class:`JobsView` (``/readyz`` turns 200 once
-caught up), then keep one :class:`JobAggregator` task per planned, non-terminal job that was not
-asked to cancel: it joins the job's aggregator group on the grads topic, so the processes share
-the job's K slices and a rebalance moves a slice to a survivor. A job that turns terminal or is
-asked to cancel is let go (its consumer leaves the group). A job that cannot be served (invalid
-plan, a model with buffers, a corrupt gradient slice) is ``failed`` with the reason; a
-retriable broker or storage failure serves the job again after a backoff; any other error ends
-the process so that its supervisor restarts it.
+The job host (:class:`~conveyor.training.jobhost.JobHostService`) replays the jobs topic
+(``/readyz`` turns 200 once caught up and the optimizer warm-up is done) and keeps one
+:class:`JobAggregator` per planned, non-terminal job that was not asked to cancel: it joins the
+job's aggregator group on the grads topic, so the processes share the job's K slices and a
+rebalance moves a slice to a survivor. A job that turns terminal or is asked to cancel is let
+go (its consumer leaves the group). A job that cannot be served (invalid plan, a model with
+buffers, a corrupt gradient slice) is ``failed`` with the reason; a retriable broker or
+storage failure serves the job again after a backoff; any other error ends the process so
+that its supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
-from conveyor.platform.bus import BusError, Producer
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import JobFailed, Topics
-from conveyor.platform.service import Service
-from conveyor.platform.storage import open_store
+from conveyor.platform.storage import ObjectStore, open_store
 from conveyor.services.aggregator.config import AggregatorSettings
-from conveyor.services.aggregator.job import prepare_job, warm_up
+from conveyor.services.aggregator.job import JobContext, prepare_job, warm_up
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.runtime import JobAggregator
-from conveyor.training.jobhost import JobFailure
-from conveyor.training.jobview import JobLogReader, JobsView, JobView
+from conveyor.training.jobhost import JobFailure, JobHostService
+from conveyor.training.jobview import JobView
 
 logger = logging.getLogger(__name__)
 
-_TOPIC_WAIT_S = 1.0
-_RECONCILE_S = 1.0
-_SERVABLE = frozenset({"planned", "running"})
 
-
-class AggregatorService(Service):
+class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
     """One aggregator process. Ready once the jobs topic has been replayed."""
 
     name = "aggregator"
@@ -49,153 +43,59 @@ class AggregatorService(Service):
         storage: StorageSettings,
         telemetry: TelemetrySettings,
     ) -> None:
-        super().__init__(telemetry=telemetry)
+        super().__init__(
+            kafka=kafka,
+            telemetry=telemetry,
+            worker_id=settings.worker_id,
+            retry_backoff_s=settings.retry_backoff_s,
+        )
         self.settings = settings
-        self.kafka = kafka
         self.storage = storage
-        self.topics = Topics(kafka.topic_prefix)
         self.metrics = AggregatorMetrics()
-        self.view = JobsView()
         self.runtimes: dict[str, JobAggregator] = {}
         """The job runtimes serving now, by job id (tests look inside)."""
-        self._reader: JobLogReader | None = None
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._finished: set[str] = set()
-        self._changed = asyncio.Event()
         self._warmed = False
 
     def readiness(self) -> bool:
-        ready = super().readiness() and self._reader is not None and self._reader.ready
-        return ready and self._warmed
+        return super().readiness() and self._warmed
 
-    async def run(self) -> None:
-        reader = JobLogReader(
-            self.kafka,
-            self.topics.jobs,
-            self.view,
-            service="aggregator",
-            on_applied=lambda job, event: self._changed.set(),
-        )
-        await self._start_reader(reader)
-        try:
-            async with Producer(self.kafka) as producer, asyncio.TaskGroup() as group:
-                group.create_task(reader.run(), name="aggregator.jobs")
-                group.create_task(self._warm_up(), name="aggregator.warm_up")
-                self._reader = reader
-                await reader.wait_ready()
-                while True:
-                    self._changed.clear()
-                    self._reconcile(producer)
-                    self.metrics.served_jobs.set(len(self._tasks))
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), _RECONCILE_S)
-        finally:
-            await self._stop_jobs()
-            await reader.stop()
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._warm_up()]
 
     async def _warm_up(self) -> None:
         await asyncio.to_thread(warm_up)
         self._warmed = True
 
-    async def drain(self) -> None:
-        # Leave every job's group now, so the slices move to the other aggregators at once.
-        await self._stop_jobs()
-
-    async def _start_reader(self, reader: JobLogReader) -> None:
-        while True:
-            try:
-                await reader.start()
-                return
-            except BusError as exc:
-                logger.info("waiting for %s: %s", self.topics.jobs, exc)
-                await asyncio.sleep(_TOPIC_WAIT_S)
-
-    def _reconcile(self, producer: Producer) -> None:
-        for job_id, task in list(self._tasks.items()):
-            job = self.view.get(job_id)
-            if task.done():
-                del self._tasks[job_id]
-                self.runtimes.pop(job_id, None)
-                failure = None if task.cancelled() else task.exception()
-                if failure is not None:
-                    raise failure
-            elif (job is None or not self._servable(job)) and not task.cancelling():
-                # Once: a second cancel would cut its consumer's stop short (left unclosed).
-                logger.info("job %s: %s; letting it go", job_id, job.state if job else "gone")
-                task.cancel()
-        for job in self.view.list(limit=len(self.view) or 1):
-            serving = job.job_id in self._tasks or job.job_id in self._finished
-            if not serving and self._servable(job):
-                self._tasks[job.job_id] = asyncio.create_task(
-                    self._serve(job, producer), name=f"aggregator.job.{job.job_id}"
-                )
-
-    @staticmethod
-    def _servable(job: JobView) -> bool:
-        return job.state in _SERVABLE and job.plan is not None and not job.cancel_requested
-
-    async def _serve(self, job: JobView, producer: Producer) -> None:
-        job_id = job.job_id
+    async def prepare_job(self, job: JobView) -> tuple[JobContext, ObjectStore]:
+        if job.plan is None:
+            raise JobFailure("invalid job: it has no plan yet")
+        ctx = await asyncio.to_thread(prepare_job, job.job_id, job.spec, job.plan)
         try:
-            if job.plan is None:
-                raise JobFailure("invalid job: it has no plan yet")
-            ctx = await asyncio.to_thread(prepare_job, job_id, job.spec, job.plan)
             store = open_store(ctx.spec.checkpoint.uri or self.storage.uri, self.storage)
-        except (JobFailure, ValueError) as exc:
-            await self._fail(producer, job_id, str(exc))
-            return
-        while True:
-            runtime = JobAggregator(
-                ctx,
-                settings=self.settings,
-                kafka=self.kafka,
-                producer=producer,
-                metrics=self.metrics,
-                store=store,
-                reported=lambda epoch: epoch in self._reported_epochs(job_id),
-            )
-            self.runtimes[job_id] = runtime
-            logger.info("job %s: serving its gradient plane", job_id)
-            try:
-                await runtime.run()
-                return
-            except JobFailure as exc:
-                await self._fail(producer, job_id, str(exc))
-                return
-            except Exception as exc:
-                logger.warning("job %s: %s: %s", job_id, type(exc).__name__, exc)
-                # A job that just ended has its topics deleted under the runtime: wait for
-                # the jobs topic to say so before calling the error a failure.
-                await asyncio.sleep(self.settings.retry_backoff_s)
-                current = self.view.get(job_id)
-                if current is None or not self._servable(current):
-                    logger.info("job %s: ended meanwhile", job_id)
-                    return
-                if not getattr(exc, "retriable", False):
-                    raise
-                logger.info("job %s: serving it again", job_id)
-            finally:
-                self.runtimes.pop(job_id, None)
+        except ValueError as exc:
+            raise JobFailure(str(exc)) from exc
+        return ctx, store
+
+    async def run_job(self, job: JobView, prepared: tuple[JobContext, ObjectStore]) -> None:
+        ctx, store = prepared
+        runtime = JobAggregator(
+            ctx,
+            settings=self.settings,
+            kafka=self.kafka,
+            producer=self.producer,
+            metrics=self.metrics,
+            store=store,
+            reported=lambda epoch: epoch in self._reported_epochs(job.job_id),
+        )
+        self.runtimes[job.job_id] = runtime
+        self.metrics.served_jobs.set(len(self.runtimes))
+        logger.info("job %s: serving its gradient plane", job.job_id)
+        try:
+            await runtime.run()
+        finally:
+            self.runtimes.pop(job.job_id, None)
+            self.metrics.served_jobs.set(len(self.runtimes))
 
     def _reported_epochs(self, job_id: str) -> dict[int, Any]:
         job = self.view.get(job_id)
         return job.epochs if job is not None else {}
-
-    async def _fail(self, producer: Producer, job_id: str, reason: str) -> None:
-        logger.warning("job %s failed: %s", job_id, reason)
-        self._finished.add(job_id)
-        message = JobFailed(job_id=job_id, reason=reason, worker_id=self.settings.worker_id)
-        await producer.publish(self.topics.jobs, message, key=job_id)
-
-    async def _stop_jobs(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            if not task.cancelling():  # a job let go is leaving already: let it finish
-                task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-        for task in tasks:
-            failure = None if task.cancelled() else task.exception()
-            if failure is not None:
-                logger.error("%s failed while stopping", task.get_name(), exc_info=failure)
-        self._tasks.clear()
