@@ -26,6 +26,8 @@ def _check_types(plan: _Plan, values: tuple[Any, ...], *, decoding: bool) -> Non
                 raise MalformedMessage(f"{where}: expected {allowed}, got {type(value).__name__}")
         elif spec.kind is FieldKind.TENSOR_DICT:
             _check_str_dict(where, value)
+        elif spec.kind in (FieldKind.RECORD, FieldKind.RECORD_LIST):
+            pass  # checked as a whole by the records module
         elif not decoding and not isinstance(value, torch.Tensor):
             raise MalformedMessage(f"{where}: expected a tensor, got {type(value).__name__}")
         # A decoded tensor field holds a descriptor, checked by _PayloadReader.read.

@@ -19,6 +19,7 @@ from conveyor.platform.codec.errors import (
 )
 from conveyor.platform.codec.limits import ALIGN_BYTES, DEFAULT_LIMITS, PREFIX_BYTES, CodecLimits
 from conveyor.platform.codec.plans import _PLANS_BY_CLASS, _PLANS_BY_NAME, _plan_named, _plan_of
+from conveyor.platform.codec.records import records_from_wire, records_to_wire
 from conveyor.platform.codec.tensors import _PADS, _PayloadReader, _PayloadWriter
 from conveyor.platform.messages import Message, MessageSchema
 
@@ -43,6 +44,8 @@ def encode(message: Message, *, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
         _check_plain(where, getattr(message, name), depth=0)
     header: dict[str, Any] = {"v": plan.version, "type": plan.name}
     header.update(zip(plan.field_names, values, strict=False))  # same length
+    for name, where, spec in plan.record_fields:
+        header[name] = records_to_wire(where, spec, header[name])
     payload = _PayloadWriter(limits)
     for name, where in plan.tensor_fields:
         header[name] = payload.add(where, header[name])
@@ -165,6 +168,9 @@ def _build(header: object, header_end: int, view: memoryview, limits: CodecLimit
                 _check_items(where, value.values(), item_types)
         elif item_types is not None and type(value) is list:
             _check_items(where, value, item_types)
+
+    for field, where, spec in plan.record_fields:
+        header[field] = records_from_wire(where, spec, header[field])
 
     tensors = _PayloadReader(view, header_end, limits)
     for field, where in plan.tensor_fields:

@@ -39,6 +39,7 @@ class _Plan:
         "header_keys",
         "name",
         "nested_fields",
+        "record_fields",
         "schema",
         "tensor_fields",
         "type_specs",
@@ -74,6 +75,11 @@ class _Plan:
             for spec in schema.fields
             if spec.kind is FieldKind.VALUE and spec.nested
         )
+        self.record_fields = tuple(
+            (spec.name, f"{schema.name}.{spec.name}", spec)
+            for spec in schema.fields
+            if spec.kind in (FieldKind.RECORD, FieldKind.RECORD_LIST)
+        )
         # Plain fields that may hold a list or dict: decode checks dict keys and item types.
         self.container_fields = tuple(
             (spec.name, f"{schema.name}.{spec.name}", spec.item_types)
@@ -88,6 +94,10 @@ def _main_type(spec: FieldSpec, *, decoding: bool) -> type | None:
         return dict if decoding else torch.Tensor  # decoding: the tensor's descriptor
     if spec.kind is FieldKind.TENSOR_DICT:
         return dict
+    if spec.kind is FieldKind.RECORD:
+        return dict if decoding else spec.record
+    if spec.kind is FieldKind.RECORD_LIST:
+        return list
     if spec.types is None:  # Any
         return None
     likely = spec.types - {type(None)}  # an optional field is usually set

@@ -15,8 +15,9 @@ registered under its wire name and schema version::
 
 Field types allowed: ``None``, ``bool``, ``int``, ``float`` (an ``int`` is accepted too),
 ``str``, ``bytes``, ``list[...]``, ``dict[str, ...]`` (nested of those), ``Any`` (a plain value
-of those types), a union of those with ``None``, and ``torch.Tensor`` either as a whole field
-or as the values of a ``dict[str, Tensor]`` field. Registration turns each annotation into a
+of those types), a union of those with ``None``, ``torch.Tensor`` either as a whole field
+or as the values of a ``dict[str, Tensor]`` field, and typed rows: a :class:`Record` subclass
+(a frozen kw-only slotted dataclass of plain fields) as a field or as ``list[Row]``. Registration turns each annotation into a
 :class:`FieldSpec` that the codec (:mod:`conveyor.platform.codec`) checks values against, so
 annotations must resolve at import time (import ``Tensor`` for real, not under
 ``TYPE_CHECKING``). Changing a schema's fields means a new version number.
@@ -35,6 +36,7 @@ from conveyor.platform.messages.registry import (
     FieldSpec,
     Message,
     MessageSchema,
+    Record,
     message,
     registered_messages,
     schema_for,
@@ -98,6 +100,7 @@ __all__ = [
     "Message",
     "MessageSchema",
     "ParamSlice",
+    "Record",
     "Rejection",
     "ShardTask",
     "StepClose",

@@ -32,11 +32,23 @@ class Message:
     """Schema version, set by :func:`message`."""
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Record:
+    """Base of a typed row nested in a message field (``Row`` or ``list[Row]``): a frozen,
+    kw-only, slotted dataclass of plain-value fields (no tensors, no nested records). It
+    travels as a msgpack map of its fields and decodes back to its class, with the same type
+    checks as a message's fields and its own ``__post_init__`` checks."""
+
+
 class FieldKind(Enum):
     """How a field travels on the wire."""
 
     VALUE = "value"
     """A plain msgpack value inside the header."""
+    RECORD = "record"
+    """One :class:`Record`, a map inside the header."""
+    RECORD_LIST = "record_list"
+    """A list of :class:`Record` s of one class, maps inside the header."""
     TENSOR = "tensor"
     """One tensor, its bytes after the header."""
     TENSOR_DICT = "tensor_dict"
@@ -57,6 +69,10 @@ class FieldSpec:
     """Exact types of a list's items or a dict's values; None: not checked item by item."""
     nested: bool = False
     """The value may hold containers of unchecked content, walked on encode."""
+    record: type[Record] | None = None
+    """The record class of a RECORD or RECORD_LIST field."""
+    record_fields: tuple[FieldSpec, ...] = ()
+    """The specs of the record's own fields (plain values only)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,9 +155,37 @@ _SCALAR_TYPES: dict[object, frozenset[type]] = {
 _ValueTypes = tuple[frozenset[type] | None, frozenset[type] | None, bool]
 
 
+def record_specs(cls: type[Record]) -> tuple[FieldSpec, ...]:
+    """The field specs of a record class (plain values only); ValueError/TypeError when the
+    class cannot be a record."""
+    if "__dataclass_fields__" not in cls.__dict__ or "__slots__" not in cls.__dict__:
+        raise ValueError(f"{cls.__qualname__} must be declared with @dataclass(kw_only=True, "
+                         "slots=True, frozen=True)")  # fmt: skip
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for field in dataclasses.fields(cls):
+        spec = _field_spec(field.name, hints[field.name])
+        if spec.kind is not FieldKind.VALUE:
+            raise TypeError(f"{cls.__qualname__}.{field.name}: a record holds plain values only")
+        specs.append(spec)
+    return tuple(specs)
+
+
 def _field_spec(name: str, annotation: object) -> FieldSpec:
     if annotation is Tensor:
         return FieldSpec(name=name, kind=FieldKind.TENSOR)
+    if isinstance(annotation, type) and issubclass(annotation, Record):
+        return FieldSpec(
+            name=name, kind=FieldKind.RECORD, record=annotation,
+            record_fields=record_specs(annotation),
+        )  # fmt: skip
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation) or (Any,)
+        if isinstance(item, type) and issubclass(item, Record):
+            return FieldSpec(
+                name=name, kind=FieldKind.RECORD_LIST, record=item,
+                record_fields=record_specs(item),
+            )  # fmt: skip
     if typing.get_origin(annotation) is dict and typing.get_args(annotation) == (str, Tensor):
         return FieldSpec(name=name, kind=FieldKind.TENSOR_DICT)
     value_types, item_types, nested = _value_types(annotation)
@@ -179,5 +223,5 @@ def _value_types(annotation: object) -> _ValueTypes:
         return value_types, item_types, nested
     raise TypeError(
         f"unsupported field type {annotation!r}: use None, bool, int, float, str, bytes, list, "
-        "dict[str, ...], Any, Tensor or dict[str, Tensor]"
+        "dict[str, ...], Any, Tensor, dict[str, Tensor], a Record or list[Record]"
     )
