@@ -15,12 +15,12 @@ registered under its wire name and schema version::
 
 Field types allowed: ``None``, ``bool``, ``int``, ``float`` (an ``int`` is accepted too),
 ``str``, ``bytes``, ``list[...]``, ``dict[str, ...]`` (nested of those), ``Any`` (a plain value
-of those types), a union of those with ``None``, ``torch.Tensor`` either as a whole field
-or as the values of a ``dict[str, Tensor]`` field, and typed rows: a :class:`Record` subclass
-(a frozen kw-only slotted dataclass of plain fields) as a field or as ``list[Row]``. Registration turns each annotation into a
-:class:`FieldSpec` that the codec (:mod:`conveyor.platform.codec`) checks values against, so
-annotations must resolve at import time (import ``Tensor`` for real, not under
-``TYPE_CHECKING``). Changing a schema's fields means a new version number.
+of those types), a union of those with ``None``, ``torch.Tensor`` either as a whole field or as
+the values of a ``dict[str, Tensor]`` field, and typed rows: a :class:`Record` subclass (a
+frozen kw-only slotted dataclass of plain fields) as a field or as ``list[Row]``. Registration
+turns each annotation into a :class:`FieldSpec` that the codec (:mod:`conveyor.platform.codec`)
+checks values against, so annotations must resolve at import time (import ``Tensor`` for real,
+not under ``TYPE_CHECKING``). Changing a schema's fields means a new version number.
 
 The package keeps the whole wire contract in one place: the registry
 (:mod:`~conveyor.platform.messages.registry`), the topic names
