@@ -1,14 +1,20 @@
 """Fixtures shared by several integration test files of this folder: a read failure injected
 into the object stores' uploads (the storage behaviour suite and the S3 specifics use it). The
 stack-wide fixtures, Kafka and the S3 endpoint, are in tests/conftest.py. Also: a count of the
-Fetch requests sent (the bus tests of readers that pause or rest)."""
+Fetch requests sent (the bus tests of readers that pause or rest), and an in-memory span
+exporter for the services' trace tests."""
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 
 from conveyor.platform.storage.base import CHUNK_BYTES, HashingReader
 
@@ -49,3 +55,17 @@ def fetch_requests(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
 
     monkeypatch.setattr(AIOKafkaClient, "send", send)
     return lambda: sent
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """A global SDK tracer provider for this test (OpenTelemetry allows one per process)."""
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved

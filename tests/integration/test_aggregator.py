@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,7 @@ import pytest
 import torch
 from aggregator_peer import Peer
 from job_events import job_event
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 from prometheus_client import REGISTRY
 
 from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
@@ -61,20 +57,6 @@ def kafka(kafka_bootstrap: str) -> KafkaSettings:
         session_timeout_s=4.0,
         heartbeat_interval_s=0.5,
     )
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """A global SDK tracer provider for this test (OpenTelemetry allows one per process)."""
-    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
-    trace.set_tracer_provider(provider)
-    yield exporter
-    provider.shutdown()
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 async def submit(kafka: KafkaSettings, spec: dict[str, Any]) -> tuple[JobContext, Dataset]:

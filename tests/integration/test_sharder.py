@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from job_events import job_event
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 from conveyor.platform.bus import Producer, TopicAdmin
 from conveyor.platform.codec import decode
@@ -37,20 +32,6 @@ DIGITS_SPEC: dict[str, Any] = {
     "distribution": {"aggregator_shards": 3},
     "flow": {"max_lead_batches": 5, "shard_size": 64},  # 2 batches per shard
 }  # fmt: skip
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """A global SDK tracer provider for this test (OpenTelemetry allows one per process)."""
-    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
-    trace.set_tracer_provider(provider)
-    yield exporter
-    provider.shutdown()
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 def spec_with(**changes: Any) -> dict[str, Any]:

@@ -20,11 +20,7 @@ from typing import Any
 import pytest
 import torch
 from job_events import job_event
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 from plane_harness import (
     MEMBER_TIMEOUT_S,
     Jobs,
@@ -66,20 +62,6 @@ def kafka(kafka_settings: KafkaSettings) -> KafkaSettings:
     """Short sessions: Tansu completes the join of a group after half of it, and a killed
     trainer's partitions move to the survivor after it."""
     return kafka_settings.model_copy(update={"session_timeout_s": 3.0})
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    """A global SDK tracer provider for this test (OpenTelemetry allows one per process)."""
-    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = None, Once()
-    trace.set_tracer_provider(provider)
-    yield exporter
-    provider.shutdown()
-    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,6 @@ import os
 import signal
 import socket
 from collections.abc import Generator
-from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -34,6 +33,7 @@ from prometheus_client.exposition import choose_encoder
 
 from conveyor.platform.config import TelemetrySettings
 from conveyor.platform.errors import ConveyorError
+from conveyor.platform.lifecycle import AsyncLifecycle
 from conveyor.platform.telemetry import metric_name, setup_logging, setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class _SignalFreeServer(uvicorn.Server):
         yield
 
 
-class Service(abc.ABC):
+class Service(AsyncLifecycle):
     """Base of every service process; single use: start once, stop once.
 
     Subclasses set the class attribute ``name`` (a lower-case identifier, it prefixes the
@@ -108,7 +108,7 @@ class Service(abc.ABC):
         normal way out).
         """
 
-    async def drain(self) -> None:  # noqa: B027 - optional hook, no-op by default
+    async def drain(self) -> None:
         """Finish in-flight work, commit offsets, leave consumer groups. Default: nothing.
 
         Called once on every stop, before ``run()`` and the tasks are cancelled; cancelled if
@@ -230,18 +230,6 @@ class Service(abc.ABC):
                 self._http_server.force_exit = True
                 self._http_task.cancel()
                 await asyncio.wait({self._http_task})
-
-    async def __aenter__(self) -> Service:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def serve(self) -> int:
         """Start, run until stopped (see the module docstring), stop; return the exit code.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
@@ -18,6 +17,7 @@ from aiokafka.errors import (
 from conveyor.platform.bus.errors import BusError, from_kafka_error
 from conveyor.platform.bus.options import admin_options, topic_config
 from conveyor.platform.config import KafkaSettings
+from conveyor.platform.lifecycle import AsyncLifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class TopicSpec:
             raise ValueError(f"topic {self.name!r}: partitions must be >= 1, got {self.partitions}")
 
 
-class TopicAdmin:
+class TopicAdmin(AsyncLifecycle):
     """Topic management over one admin connection; ``async with`` starts and stops it.
 
     Every topic is created with the bus's size limit (``max.message.bytes``) so that a real
@@ -69,18 +69,6 @@ class TopicAdmin:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
-
-    async def __aenter__(self) -> TopicAdmin:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     def _require_client(self) -> AIOKafkaAdminClient:
         if self._client is None:

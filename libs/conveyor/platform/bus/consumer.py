@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -35,6 +34,7 @@ from conveyor.platform.bus.received import Received
 from conveyor.platform.bus.tracing import extract_context
 from conveyor.platform.codec import CodecError, CodecLimits, decode
 from conveyor.platform.config import KafkaSettings
+from conveyor.platform.lifecycle import AsyncLifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _COMMIT_TIMEOUT_S = 5.0
 """Longest wait for one commit (a healthy one takes milliseconds), see :meth:`Consumer._commit`."""
 
 
-class Consumer:
+class Consumer(AsyncLifecycle):
     """A consumer-group member reading ``topics``; ``async with`` starts and stops it.
 
     * :meth:`get` (or ``async for``) returns the next decoded record as :class:`Received`;
@@ -169,18 +169,6 @@ class Consumer:
         finally:
             self._in_flight.clear()
             await self._dead_letters.stop()
-
-    async def __aenter__(self) -> Consumer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # -- state -----------------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Mapping
 from functools import partial
-from types import TracebackType
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -22,6 +21,7 @@ from conveyor.platform.bus.options import producer_options
 from conveyor.platform.bus.tracing import MESSAGING_SYSTEM, inject_headers, key_attribute
 from conveyor.platform.codec import CodecLimits, MessageTooLarge, encode
 from conveyor.platform.config import KafkaSettings
+from conveyor.platform.lifecycle import AsyncLifecycle
 from conveyor.platform.messages import Message, Topics
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 Key = bytes | str | None
 
 
-class Producer:
+class Producer(AsyncLifecycle):
     """Sends messages to topics that exist (the bus never relies on auto-creation).
 
     ``async with`` starts and stops it; ``start`` also makes sure the dead-letter topic
@@ -74,18 +74,6 @@ class Producer:
         producer, self._producer = self._producer, None
         if producer is not None:
             await producer.stop()
-
-    async def __aenter__(self) -> Producer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def send(
         self,

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -25,6 +24,7 @@ from conveyor.platform.bus.metrics import topic_kind, topic_metrics
 from conveyor.platform.bus.options import consumer_options
 from conveyor.platform.codec import CodecError, CodecLimits, decode
 from conveyor.platform.config import KafkaSettings
+from conveyor.platform.lifecycle import AsyncLifecycle
 from conveyor.platform.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Tailed:
     size_bytes: int
 
 
-class TopicTail:
+class TopicTail(AsyncLifecycle):
     """Reads every partition of ``topic`` without a group; ``async with`` starts and stops it.
 
     ``start`` positions each partition at its first record (``start="beginning"``) or at its
@@ -132,18 +132,6 @@ class TopicTail:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             await consumer.stop()
-
-    async def __aenter__(self) -> TopicTail:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def get_many(self, timeout_s: float) -> list[Tailed]:
         """The records that arrived, waiting up to ``timeout_s`` for the first; in offset
