@@ -26,8 +26,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 from prometheus_client import REGISTRY
 
-from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.bus import Producer, create_topology, ensure_topics
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import JobEvent, Topics
 from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
@@ -84,13 +89,8 @@ async def submit(kafka: KafkaSettings, spec: dict[str, Any]) -> tuple[JobContext
     dataset = open_dataset(spec["dataset"]["uri"])
     plan = JobPlan.from_spec(job_id, JobSpec.from_dict(spec), dataset.num_samples)
     slices = spec["distribution"]["aggregator_shards"]
-    async with TopicAdmin(kafka) as admin:
-        await admin.create_topics([
-            TopicSpec(topics.jobs, partitions=2),
-            TopicSpec(topics.control(job_id)),
-            TopicSpec(topics.grads(job_id), partitions=slices),
-            TopicSpec(topics.params(job_id), partitions=slices),
-        ])  # fmt: skip
+    await create_topology(kafka, TopologySettings(jobs_partitions=2))
+    await ensure_topics(kafka, topics.job_topic_specs(job_id, batches_partitions=2, slices=slices))
     planned = {
         "num_train": plan.num_train, "num_eval": plan.num_eval,
         "num_classes": dataset.num_classes, "sample_shape": list(dataset.sample_shape),

@@ -18,7 +18,12 @@ from opentelemetry.util._once import Once
 
 from conveyor.platform.bus import Producer, TopicAdmin
 from conveyor.platform.codec import decode
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import JobEvent, Message, ShardTask, Topics
 from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.service import SharderService
@@ -60,9 +65,12 @@ def spec_with(**changes: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def running_sharder(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[SharderService]:
+async def running_sharder(
+    kafka: KafkaSettings, topology: TopologySettings | None = None, **settings: Any
+) -> AsyncIterator[SharderService]:
     service = SharderService(
         settings=SharderSettings(tick_s=0.1, **settings),
+        topology=topology or TopologySettings(),
         kafka=kafka,
         storage=StorageSettings(),
         telemetry=TelemetrySettings(otlp_endpoint=None),
@@ -150,6 +158,17 @@ async def topic_names(kafka: KafkaSettings) -> set[str]:
 def progress(consumed: int, **extra: Any) -> dict[str, Any]:
     return {"worker_id": "coordinator", "source": "coordinator", "step": 1,
             "consumed_batches": consumed, **extra}  # fmt: skip
+
+
+async def test_creates_the_global_topics_with_the_topologys_partitions(
+    kafka_settings: KafkaSettings,
+) -> None:
+    topics = Topics(kafka_settings.topic_prefix)
+    topology = TopologySettings(jobs_partitions=3, shards_partitions=5)
+    async with running_sharder(kafka_settings, topology):
+        for name, partitions in [(topics.jobs, 3), (topics.shards, 5), (topics.dlq, 1)]:
+            async with TopicReader(kafka_settings, name) as topic:
+                assert topic.partitions == partitions, name
 
 
 async def test_plans_releases_with_flow_control_and_cancels(

@@ -23,7 +23,7 @@ annotations must resolve at import time (import ``Tensor`` for real, not under
 
 The package keeps the whole wire contract in one place: the registry
 (:mod:`~conveyor.platform.messages.registry`), the topic names
-(:mod:`~conveyor.platform.messages.topics`) and the schemas, grouped by plane
+and layout (:mod:`~conveyor.platform.messages.topics`) and the schemas, grouped by plane
 (:mod:`~conveyor.platform.messages.jobs`, :mod:`~conveyor.platform.messages.gradient_plane`). Import
 from the package itself: importing it registers every schema.
 """
@@ -38,7 +38,13 @@ from conveyor.platform.messages.registry import (
     registered_messages,
     schema_for,
 )
-from conveyor.platform.messages.topics import SPLITS, Topics, batch_id_for, shard_id_for
+from conveyor.platform.messages.topics import (
+    SPLITS,
+    Topics,
+    TopicSpec,
+    batch_id_for,
+    shard_id_for,
+)
 
 # isort: split
 # The schema modules register their schemas when imported, in this order (the order of
@@ -73,6 +79,7 @@ __all__ = [
     "Rejection",
     "ShardTask",
     "StepClose",
+    "TopicSpec",
     "Topics",
     "batch_id_for",
     "message",

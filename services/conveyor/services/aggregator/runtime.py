@@ -42,7 +42,7 @@ from conveyor.platform.bus import (
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import GradSlice, ParamSlice, StepClose, Topics
 from conveyor.platform.storage import ObjectStore
-from conveyor.services.aggregator.config import AggregatorSettings, group_id
+from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
 from conveyor.services.aggregator.job import JobContext, JobFailed
@@ -131,7 +131,7 @@ class JobAggregator:
             Consumer(
                 plane,
                 [self._grads_topic],
-                group_id=group_id(self.kafka.topic_prefix, self.ctx.job_id),
+                group_id=self.topics.aggregator_group(self.ctx.job_id),
                 max_in_flight=self.settings.max_held_slices,
                 dead_letter_producer=self.producer,
             ) as grads,

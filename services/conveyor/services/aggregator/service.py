@@ -1,13 +1,13 @@
 """The aggregator service: serves the gradient plane of every running job.
 
-Lifecycle (``run``): replay the jobs topic into a :class:`JobsView` (``/readyz`` turns 200 once
-caught up), then keep one :class:`JobAggregator` task per planned, non-terminal job that was not
-asked to cancel: it joins the job's aggregator group on the grads topic, so the processes share
-the job's K slices and a rebalance moves a slice to a survivor. A job that turns terminal or is
-asked to cancel is let go (its consumer leaves the group). A job that cannot be served (invalid
-plan, a model with buffers, a corrupt gradient slice) is ``failed`` with the reason; a
-retriable broker or storage failure serves the job again after a backoff; any other error ends
-the process so that its supervisor restarts it.
+Lifecycle (``run``): wait for the jobs topic (the sharder creates it), replay it into a
+:class:`JobsView` (``/readyz`` turns 200 once caught up), then keep one :class:`JobAggregator` task
+per planned, non-terminal job that was not asked to cancel: it joins the job's aggregator group on
+the grads topic, so the processes share the job's K slices and a rebalance moves a slice to a
+survivor. A job that turns terminal or is asked to cancel is let go (its consumer leaves the group).
+A job that cannot be served (invalid plan, a model with buffers, a corrupt gradient slice) is
+``failed`` with the reason; a retriable broker or storage failure serves the job again after a
+backoff; any other error ends the process so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from conveyor.platform.bus import BusError, Producer
+from conveyor.platform.bus import Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.platform.messages import JobEvent, Topics
 from conveyor.platform.service import Service
@@ -31,7 +31,6 @@ from conveyor.training.jobview import JobLogReader, JobsView, JobView
 
 logger = logging.getLogger(__name__)
 
-_TOPIC_WAIT_S = 1.0
 _RECONCILE_S = 1.0
 _SERVABLE = frozenset({"planned", "running"})
 
@@ -76,7 +75,8 @@ class AggregatorService(Service):
             service="aggregator",
             on_applied=lambda job, event: self._changed.set(),
         )
-        await self._start_reader(reader)
+        await wait_for_topics(self.kafka, [self.topics.jobs])
+        await reader.start()
         try:
             async with Producer(self.kafka) as producer, asyncio.TaskGroup() as group:
                 group.create_task(reader.run(), name="aggregator.jobs")
@@ -100,15 +100,6 @@ class AggregatorService(Service):
     async def drain(self) -> None:
         # Leave every job's group now, so the slices move to the other aggregators at once.
         await self._stop_jobs()
-
-    async def _start_reader(self, reader: JobLogReader) -> None:
-        while True:
-            try:
-                await reader.start()
-                return
-            except BusError as exc:
-                logger.info("waiting for %s: %s", self.topics.jobs, exc)
-                await asyncio.sleep(_TOPIC_WAIT_S)
 
     def _reconcile(self, producer: Producer) -> None:
         for job_id, task in list(self._tasks.items()):

@@ -1,13 +1,13 @@
 """The trainer service: watch the jobs, join one at a time, train it, go idle, repeat.
 
-Lifecycle (``run``): wait for the jobs topic, replay it (``/readyz`` turns 200 once caught up),
-then loop: take the oldest joinable job, build its model (a job that cannot be built is
-``failed``), train it with a :class:`JobRunner` until the job turns terminal (the coordinator
-publishes ``completed``) or a cancel is requested (then stop, leave the group, publish
-``cancelled``), and go back to waiting. A retriable broker failure rejoins the job after a
-backoff (nothing is lost: the trainer holds no training state, and unacknowledged batches are
-redelivered); any other unexpected error crashes the process so that its supervisor restarts
-it. A stop (SIGTERM) leaves the job (a ``leaving`` heartbeat tells the coordinator).
+Lifecycle (``run``): wait for the jobs topic (the sharder creates it), replay it (``/readyz`` turns
+200 once caught up), then loop: take the oldest joinable job, build its model (a job that cannot be
+built is ``failed``), train it with a :class:`JobRunner` until the job turns terminal (the
+coordinator publishes ``completed``) or a cancel is requested (then stop, leave the group, publish
+``cancelled``), and go back to waiting. A retriable broker failure rejoins the job after a backoff
+(nothing is lost: the trainer holds no training state, and unacknowledged batches are redelivered);
+any other unexpected error crashes the process so that its supervisor restarts it. A stop (SIGTERM)
+leaves the job (a ``leaving`` heartbeat tells the coordinator).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conveyor.platform.bus import BusError, Producer
+from conveyor.platform.bus import Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.messages import JobEvent, Topics
 from conveyor.platform.service import Service
@@ -29,8 +29,6 @@ from conveyor.services.trainer.session import JobFailed, prepare_job
 from conveyor.training.jobview import JobView
 
 logger = logging.getLogger(__name__)
-
-_TOPIC_WAIT_S = 1.0
 
 
 class TrainerService(Service):
@@ -65,7 +63,8 @@ class TrainerService(Service):
 
     async def run(self) -> None:
         watcher = JobWatcher(self.kafka, self.topics)
-        await self._start_watcher(watcher)
+        await wait_for_topics(self.kafka, [self.topics.jobs])
+        await watcher.start()
         compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-compute")
         copy = ThreadPoolExecutor(1, thread_name_prefix="trainer-h2d")
         try:
@@ -92,15 +91,6 @@ class TrainerService(Service):
             if not task.cancelling():
                 task.cancel()
             await asyncio.wait({task})
-
-    async def _start_watcher(self, watcher: JobWatcher) -> None:
-        while True:
-            try:
-                await watcher.start()
-                return
-            except BusError as exc:
-                logger.info("waiting for %s: %s", self.topics.jobs, exc)
-                await asyncio.sleep(_TOPIC_WAIT_S)
 
     async def _run_job(
         self,
