@@ -137,8 +137,8 @@ async def slice_owner(
     async with asyncio.timeout(30):
         while True:
             for service in services:
-                runtime = service.runtimes.get(job_id)
-                if runtime is not None and slice_index in runtime.shards:
+                job_aggregator = service.job_aggregators.get(job_id)
+                if job_aggregator is not None and slice_index in job_aggregator.owners:
                     return service
             await asyncio.sleep(0.02)
 
@@ -183,7 +183,7 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     return summary
 
 
-async def test_sync_two_shards_with_failover_matches_replay(
+async def test_sync_two_slices_with_failover_matches_replay(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
     ctx, dataset = await submit(kafka, SPEC)
@@ -208,7 +208,7 @@ async def test_sync_two_shards_with_failover_matches_replay(
                 await stop(owner)
                 stopped_at, survivor = version, second if owner is first else first
             if stopped_at is not None and version == stopped_at + 3:
-                taken_over = set(survivor.runtimes[ctx.job_id].shards)
+                taken_over = set(survivor.job_aggregators[ctx.job_id].owners)
             if epoch in peer.epoch_end:
                 epoch += 1
                 if epoch == epochs:

@@ -196,7 +196,7 @@ async def test_plans_releases_with_flow_control_and_cancels(
         }  # fmt: skip
         assert {topics.batches("job1"), topics.control("job1")} <= await topic_names(kafka_settings)
         async with TopicReader(kafka_settings, topics.grads("job1")) as grads:
-            assert grads.partitions == 3  # one per aggregator shard
+            assert grads.partitions == 3  # one per parameter slice
         async with TopicReader(kafka_settings, topics.params("job1")) as params:
             assert params.partitions == 3
 

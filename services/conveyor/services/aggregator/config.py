@@ -46,7 +46,7 @@ class AggregatorSettings(_FileAwareSettings):
     max_held_slices: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
         default=4096,
         description=(
-            "Gradient-slice records one job's shards may hold unacknowledged (the grads "
+            "Gradient-slice records one job's slice owners may hold unacknowledged (the grads "
             "consumer's max_in_flight): a few steps' worth of contributions per slice."
         ),
     )

@@ -25,8 +25,8 @@ from conveyor.platform.service import Service
 from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.job import JobFailed, prepare_job, warm_up
+from conveyor.services.aggregator.job_loop import JobAggregator
 from conveyor.services.aggregator.metrics import AggregatorMetrics
-from conveyor.services.aggregator.runtime import JobAggregator
 from conveyor.training.jobview import JobLogReader, JobsView, JobView
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,8 @@ class AggregatorService(Service):
         self.topics = Topics(kafka.topic_prefix)
         self.metrics = AggregatorMetrics()
         self.view = JobsView()
-        self.runtimes: dict[str, JobAggregator] = {}
-        """The job runtimes serving now, by job id (tests look inside)."""
+        self.job_aggregators: dict[str, JobAggregator] = {}
+        """The JobAggregator serving each job now, by job id (tests look inside)."""
         self._reader: JobLogReader | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._finished: set[str] = set()
@@ -106,7 +106,7 @@ class AggregatorService(Service):
             job = self.view.get(job_id)
             if task.done():
                 del self._tasks[job_id]
-                self.runtimes.pop(job_id, None)
+                self.job_aggregators.pop(job_id, None)
                 failure = None if task.cancelled() else task.exception()
                 if failure is not None:
                     raise failure
@@ -134,7 +134,7 @@ class AggregatorService(Service):
             await self._fail(producer, job_id, str(exc))
             return
         while True:
-            runtime = JobAggregator(
+            job_aggregator = JobAggregator(
                 ctx,
                 settings=self.settings,
                 kafka=self.kafka,
@@ -143,17 +143,17 @@ class AggregatorService(Service):
                 store=store,
                 reported=lambda epoch: epoch in self._reported_epochs(job_id),
             )
-            self.runtimes[job_id] = runtime
+            self.job_aggregators[job_id] = job_aggregator
             logger.info("job %s: serving its gradient plane", job_id)
             try:
-                await runtime.run()
+                await job_aggregator.run()
                 return
             except JobFailed as exc:
                 await self._fail(producer, job_id, str(exc))
                 return
             except Exception as exc:
                 logger.warning("job %s: %s: %s", job_id, type(exc).__name__, exc)
-                # A job that just ended has its topics deleted under the runtime: wait for
+                # A job that just ended has its topics deleted under its JobAggregator: wait for
                 # the jobs topic to say so before calling the error a failure.
                 await asyncio.sleep(self.settings.retry_backoff_s)
                 current = self.view.get(job_id)
@@ -164,7 +164,7 @@ class AggregatorService(Service):
                     raise
                 logger.info("job %s: serving it again", job_id)
             finally:
-                self.runtimes.pop(job_id, None)
+                self.job_aggregators.pop(job_id, None)
 
     def _reported_epochs(self, job_id: str) -> dict[int, Any]:
         job = self.view.get(job_id)

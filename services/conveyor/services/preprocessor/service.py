@@ -46,8 +46,9 @@ from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySe
 from conveyor.platform.messages import Batch, JobEvent, ShardTask, Topics
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge, histogram
+from conveyor.services.preprocessor.busy_meter import BusyMeter
 from conveyor.services.preprocessor.config import PreprocessorSettings
-from conveyor.services.preprocessor.runtime import BusyMeter, DatasetCache
+from conveyor.services.preprocessor.dataset_cache import DatasetCache
 from conveyor.services.preprocessor.work import augmenter_for, make_batches, read_shard
 from conveyor.training.datasets import DatasetError
 from conveyor.training.routing import choose_partition

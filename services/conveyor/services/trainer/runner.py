@@ -17,7 +17,8 @@ What the control log says drives everything else (:meth:`JobRunner._on_control`)
 acknowledges the batches it lists and decides this trainer's contributions; a Rejection sends
 the batches back to be recomputed on newer parameters; an epoch that ended releases the held
 batches of the next one and its eval batches. The trainer keeps no training state: the
-aggregator shards hold parameters and optimizer state, the control log holds what is applied.
+aggregators' slice owners hold parameters and optimizer state, the control log holds what is
+applied.
 """
 
 from __future__ import annotations
