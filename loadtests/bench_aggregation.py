@@ -11,7 +11,7 @@ Systems:
               MASTER_ADDR 127.0.0.1 and a free port), each half the batch, 1 torch thread each;
     conveyor  the real stack (``conveyor up --scale trainer=2 --scale aggregator=2``: broker,
               gateway, sharder, preprocessor, 2 trainers, 2 aggregators), sync jobs with 2
-              trainers and 2 aggregator shards submitted through the gateway, one after the other.
+              trainers and 2 parameter slices submitted through the gateway, one after the other.
 local and ddp run while no stack is up (an idle stack takes ~10% of 2 cores): half of the
 repeats before it starts, half after it stopped; ratios are ratios of medians.
 Per-step time: local/ddp time --baseline-steps steps after a warm-up (rank 0's wall clock, DDP's
@@ -28,7 +28,7 @@ Contributions on the control topic (grad_bytes: the payload of all K slices of o
 step) and the job summary's grad_bytes_per_step (all payload / steps with samples: it moves with
 the number of partial steps, so the reduction is taken per non-empty contribution). fp16/bf16:
 one 1-epoch job each (their bytes are fixed by the layout).
-Accuracy: examples/digits.yaml (5 epochs, 2 trainers, 2 shards, SGD lr 0.1 momentum 0.9), dense
+Accuracy: examples/digits.yaml (5 epochs, 2 trainers, 2 slices, SGD lr 0.1 momentum 0.9), dense
 and topk 0.01 with error feedback and momentum correction (the defaults; alternating which runs
 first), eval accuracy of the last epoch from the job's summary, paired per repeat; delta =
 100 * (dense - topk) points. Beside it, an in-process reference of the same algorithm (2
@@ -71,8 +71,8 @@ from loadtests.topk_reference import REFERENCE_SEEDS, investigate, reference_acc
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = 2
-SHARDS = 2
-STACK_SCALE = {"trainer": TRAINERS, "aggregator": SHARDS}
+SLICES = 2
+STACK_SCALE = {"trainer": TRAINERS, "aggregator": SLICES}
 JOB_TIMEOUT_S = 600.0
 IDLE_SETTLE_S, IDLE_S = 5.0, 5.0
 """Seconds the stack is left alone after it is up (the aggregators warm torch up in a thread
@@ -195,7 +195,7 @@ def result_json(
 
 
 def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, Any]:
-    """examples/digits.yaml (2 trainers, 2 shards, sync) on the CPU with 1 torch thread."""
+    """examples/digits.yaml (2 trainers, 2 slices, sync) on the CPU with 1 torch thread."""
     from conveyor.training.jobspec import JobSpec
 
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
@@ -203,7 +203,7 @@ def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, An
     data["training"]["epochs"] = epochs
     data["training"]["seed"] = seed
     data["distribution"].update(
-        trainers=TRAINERS, aggregator_shards=SHARDS, mode="sync",
+        trainers=TRAINERS, aggregator_shards=SLICES, mode="sync",
         compression=COMPRESSIONS[compression],
     )  # fmt: skip
     data["resources"] = {"device": "cpu", "threads": 1}
@@ -225,7 +225,7 @@ training:
   micro_batch_size: 32
   optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
   seed: 0
-distribution: {{trainers: {TRAINERS}, aggregator_shards: {SHARDS}, mode: sync}}
+distribution: {{trainers: {TRAINERS}, aggregator_shards: {SLICES}, mode: sync}}
 resources: {{device: cpu, threads: 1}}
 """
     return JobSpec.from_yaml(text).to_dict()
@@ -505,7 +505,7 @@ def report(
         title="Per-step time, ms: median (min..max) over the repeats "
         f"(small_cnn {args.repeats}, resnet18 {min(args.repeats, args.resnet_repeats)})"
     )
-    columns = ("model", "local (1 proc)", "DDP gloo (2 procs)", "Conveyor (2 trainers, 2 shards)",
+    columns = ("model", "local (1 proc)", "DDP gloo (2 procs)", "Conveyor (2 trainers, 2 slices)",
                "Conveyor / local", "Conveyor / DDP", "DDP / local")  # fmt: skip
     for column in columns:
         steps.add_column(column, justify="left" if column == "model" else "right")
@@ -672,7 +672,7 @@ def report(
         f"Machine: {cores} CPU core(s), torch threads 1 per training process; 1-minute load "
         f"average {min(load):.1f}..{max(load):.1f} (other work shares it: compare ratios).\n"
         "Conveyor: one stack for the whole run (broker + gateway + sharder + preprocessor + "
-        f"{TRAINERS} trainers + {SHARDS} aggregators = 8 processes on these cores), jobs one "
+        f"{TRAINERS} trainers + {SLICES} aggregators = 8 processes on these cores), jobs one "
         "after the other; fp16/bf16: one 1-epoch job each (their bytes are fixed by the layout).\n"
         f"Top-k bytes: bf16 values + int32 indices, so {TOPK_RATIO:g} can save at most "
         f"{max_topk_reduction(TOPK_RATIO):.0f}x (k is rounded up per slice). Only the upstream "

@@ -1,8 +1,8 @@
-"""`make run`'s path, as a user runs it: `conveyor run examples/digits.yaml --json` starts a
-stack sized for the spec (2 trainers, 2 aggregator shards), trains the demo to completion,
-stops the stack and prints the run summary (DESIGN section 7) as its last line. Then the same
-demo with top-k 1% and error feedback: it still learns while moving >= 50x fewer gradient
-bytes per step.
+"""`make run`'s path, as a user runs it: `conveyor run examples/digits.yaml --json` starts a stack
+sized for the spec (2 trainers, 2 aggregators: one per parameter slice), trains the demo to
+completion, stops the stack and prints the run summary (DESIGN section 7) as its last line. Then the
+same demo with top-k 1% and error feedback: it still learns while moving >= 50x fewer gradient bytes
+per step.
 
 Accuracy bounds are set for ONE run: the eval split has 359 samples and the order in which
 batches reach the trainers changes the steps, so single runs scatter around their mean. The

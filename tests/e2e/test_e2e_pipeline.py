@@ -170,9 +170,10 @@ def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
 
 
 def test_trainer_killed_mid_job_is_replaced_without_loss_or_repeat(stack: RunningStack) -> None:
-    # The job's training state lives in the aggregator shards: a replacement trainer joins at
-    # the newest parameter version and trains on; the batches the dead one held but whose step
-    # never closed are redelivered to it (uncommitted), the applied ones are not trained again.
+    # The job's training state lives in the aggregators' slice owners: a replacement trainer
+    # joins at the newest parameter version and trains on; the batches the dead one held but
+    # whose step never closed are redelivered to it (uncommitted), the applied ones are not
+    # trained again.
     env = stack.environ_of("trainer")  # the replacement runs with the stack's settings
     job_id = stack.submit(digits_spec("trainer-restart"))
 

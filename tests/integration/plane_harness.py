@@ -19,8 +19,13 @@ from typing import Any, Protocol
 import numpy as np
 from job_events import job_event
 
-from conveyor.platform.bus import Producer, TopicSpec, TopicTail, ensure_topics
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.bus import Producer, TopicTail, create_topology
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import JobEvent, Topics
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.service import AggregatorService
@@ -89,7 +94,7 @@ async def pipeline(
     services: list[Servable] = [
         SharderService(
             settings=SharderSettings(tick_s=0.1, finished_topics_grace_s=topics_grace_s),
-            kafka=kafka, storage=storage,
+            topology=TopologySettings(), kafka=kafka, storage=storage,
             telemetry=telemetry(),
         ),
         PreprocessorService(
@@ -157,7 +162,7 @@ class Jobs:
 @asynccontextmanager
 async def job_log(kafka: KafkaSettings) -> AsyncIterator[tuple[Topics, Jobs]]:
     topics = Topics(kafka.topic_prefix)
-    await ensure_topics(kafka, [TopicSpec(topics.jobs, partitions=2)])
+    await create_topology(kafka, TopologySettings(jobs_partitions=2))
     jobs = Jobs(kafka, topics.jobs)
     await jobs.reader.start()
     reading = asyncio.create_task(jobs.read())

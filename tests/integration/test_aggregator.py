@@ -22,8 +22,13 @@ from job_events import job_event
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.bus import Producer, create_topology, ensure_topics
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import JobPlanned, Topics
 from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.config import AggregatorSettings
@@ -66,13 +71,8 @@ async def submit(kafka: KafkaSettings, spec: dict[str, Any]) -> tuple[JobContext
     dataset = open_dataset(spec["dataset"]["uri"])
     plan = JobPlan.from_spec(job_id, JobSpec.from_dict(spec), dataset.num_samples)
     slices = spec["distribution"]["aggregator_shards"]
-    async with TopicAdmin(kafka) as admin:
-        await admin.create_topics([
-            TopicSpec(topics.jobs, partitions=2),
-            TopicSpec(topics.control(job_id)),
-            TopicSpec(topics.grads(job_id), partitions=slices),
-            TopicSpec(topics.params(job_id), partitions=slices),
-        ])  # fmt: skip
+    await create_topology(kafka, TopologySettings(jobs_partitions=2))
+    await ensure_topics(kafka, topics.job_topic_specs(job_id, batches_partitions=2, slices=slices))
     planned = {
         "num_train": plan.num_train, "num_eval": plan.num_eval,
         "num_classes": dataset.num_classes, "sample_shape": list(dataset.sample_shape),
@@ -120,8 +120,8 @@ async def slice_owner(
     async with asyncio.timeout(30):
         while True:
             for service in services:
-                runtime = service.runtimes.get(job_id)
-                if runtime is not None and slice_index in runtime.shards:
+                job_aggregator = service.job_aggregators.get(job_id)
+                if job_aggregator is not None and slice_index in job_aggregator.owners:
                     return service
             await asyncio.sleep(0.02)
 
@@ -166,7 +166,7 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     return summary
 
 
-async def test_sync_two_shards_with_failover_matches_replay(
+async def test_sync_two_slices_with_failover_matches_replay(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
     ctx, dataset = await submit(kafka, SPEC)
@@ -191,7 +191,7 @@ async def test_sync_two_shards_with_failover_matches_replay(
                 await stop(owner)
                 stopped_at, survivor = version, second if owner is first else first
             if stopped_at is not None and version == stopped_at + 3:
-                taken_over = set(survivor.runtimes[ctx.job_id].shards)
+                taken_over = set(survivor.job_aggregators[ctx.job_id].owners)
             if epoch in peer.epoch_end:
                 epoch += 1
                 if epoch == epochs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -26,9 +27,10 @@ from conveyor.platform.bus import (
     RecordTooLarge,
     TopicAdmin,
     TopicSpec,
+    create_topology,
     process_span,
 )
-from conveyor.platform.config import KafkaSettings
+from conveyor.platform.config import KafkaSettings, TopologySettings
 from conveyor.platform.messages import Batch, CancelRequested, DeadLetter, Topics
 
 MiB = 1024 * 1024
@@ -290,6 +292,7 @@ async def test_undecodable_record_goes_to_dlq_and_consumption_continues(
 ) -> None:
     topics = Topics(settings.topic_prefix)
     topic = topics.batches("j1")
+    await create_topology(settings, TopologySettings())  # the dead-letter topic, as the sharder
     await create(settings, TopicSpec(topic))
     garbage = os.urandom(333)
     before = metric("conveyor_bus_dead_letters_total", topic_kind="batches")
@@ -460,4 +463,25 @@ async def test_clients_of_a_missing_topic_do_not_create_it(settings: KafkaSettin
             with pytest.raises(BusError, match=never):
                 await producer.publish(never, event(0))
     async with TopicAdmin(settings) as admin:
-        assert not {deleted, never} & await admin.list_topics()
+        assert not {deleted, never, topics.dlq} & await admin.list_topics()
+
+
+async def test_dead_lettering_without_the_dead_letter_topic_fails_loudly(
+    settings: KafkaSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sharder creates the dead-letter topic; a consumer that finds it missing logs an error
+    and keeps the record (redelivered by the next get) instead of creating the topic."""
+    topics = Topics(settings.topic_prefix)
+    topic = topics.batches("j1")
+    await create(settings, TopicSpec(topic))
+    async with Producer(settings) as producer:
+        await (await producer.send_raw(topic, b"not a message", key=b"bad"))
+    quick = settings.model_copy(update={"request_timeout_s": 2.0})
+    with caplog.at_level(logging.ERROR, logger="conveyor.platform.bus.dead_letters"):
+        async with Consumer(quick, [topic], group_id=group(settings)) as consumer:
+            with pytest.raises(BusError, match=topics.dlq):
+                await asyncio.wait_for(consumer.get(), 15)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"does {topics.dlq} exist?" in message for message in errors), errors
+    async with TopicAdmin(settings) as admin:
+        assert topics.dlq not in await admin.list_topics()

@@ -15,9 +15,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from job_events import job_event
 
-from conveyor.platform.bus import Producer
+from conveyor.platform.bus import Producer, TopicAdmin, create_topology
 from conveyor.platform.codec import decode
-from conveyor.platform.config import KafkaSettings, TelemetrySettings
+from conveyor.platform.config import KafkaSettings, TelemetrySettings, TopologySettings
 from conveyor.platform.messages import JobEvent, Topics
 from conveyor.platform.service import ServiceError
 from conveyor.services.gateway.config import GatewaySettings
@@ -39,7 +39,8 @@ class Gateway:
 
 
 @asynccontextmanager
-async def running_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Gateway]:
+async def serving_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Gateway]:
+    """A GatewayService that serves HTTP (ready or not) and a client pointed at it."""
     settings.setdefault("api_token", None)
     service = GatewayService(
         settings=GatewaySettings(port=0, **settings),
@@ -56,14 +57,27 @@ async def running_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterato
             assert time.monotonic() < deadline and not serving.done(), "gateway did not start"
             await asyncio.sleep(0.02)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
-        while (await client.get("/readyz")).status_code != 200:
-            assert time.monotonic() < deadline and not serving.done(), "gateway never ready"
-            await asyncio.sleep(0.05)
         try:
             yield Gateway(service, client)
         finally:
             service.request_stop()
             assert await asyncio.wait_for(serving, 30) == 0
+
+
+async def wait_ready(gw: Gateway, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await gw.client.get("/readyz")).status_code != 200:
+        assert time.monotonic() < deadline, "gateway never ready"
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def running_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Gateway]:
+    """A ready gateway over the topics the sharder would have created."""
+    await create_topology(kafka, TopologySettings())
+    async with serving_gateway(kafka, **settings) as gw:
+        await wait_ready(gw)
+        yield gw
 
 
 @pytest.fixture
@@ -112,6 +126,19 @@ async def wait_for_state(gw: Gateway, job_id: str, state: str) -> dict[str, Any]
             return body
         assert time.monotonic() < deadline, f"job stuck in {body['state']}, wanted {state}"
         await asyncio.sleep(0.05)
+
+
+async def test_not_ready_until_the_jobs_topic_exists(kafka_settings: KafkaSettings) -> None:
+    topics = Topics(kafka_settings.topic_prefix)
+    async with serving_gateway(kafka_settings) as gw:
+        await asyncio.sleep(1.5)
+        assert (await gw.client.get("/readyz")).status_code == 503
+        assert (await gw.client.get("/v1/jobs")).status_code == 503
+        async with TopicAdmin(kafka_settings) as admin:
+            assert topics.jobs not in await admin.list_topics()  # the gateway creates none
+        await create_topology(kafka_settings, TopologySettings())
+        await wait_ready(gw, timeout_s=10)
+        assert (await gw.client.get("/v1/jobs")).json()["jobs"] == []
 
 
 async def test_submit_returns_pending_and_publishes_the_spec(

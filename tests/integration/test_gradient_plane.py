@@ -7,8 +7,8 @@ batches, grads and params topics while it runs, then checks:
 1. Equivalence: replaying the StepCloses in plain single-process PyTorch (each contribution's
    batches forward/backward with the summed cross-entropy on the replay's own parameters of
    its base version, summed, divided by the close's num_samples, one step of a torch
-   optimizer over ``model.parameters()`` at the close's lr) gives the parameters the shards
-   published, at every version (sync with SGD+momentum and with Adam; ssp below).
+   optimizer over ``model.parameters()`` at the close's lr) gives the parameters the slice
+   owners published, at every version (sync with SGD+momentum and with Adam; ssp below).
 2. Bounded staleness (ssp, s = 2, one trainer slowed): no applied contribution is staler than
    s, some are stale, the summary agrees, every train sample is applied exactly once, and
    the stale gradients were applied as computed on their base versions (the replay).
@@ -86,7 +86,7 @@ def kafka(kafka_bootstrap: str) -> KafkaSettings:
 
 @pytest.fixture(scope="module")
 def process_torch_state() -> Iterator[None]:
-    """Deterministic kernels for the trainers and shards (in this process) and the replay
+    """Deterministic kernels for the trainers and slice owners (in this process) and the replay
     alike. One compute thread like the trainers': a thread count is per thread (OpenMP), and
     a different one changes the order of the kernels' float reductions."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
@@ -171,7 +171,7 @@ async def test_bounded_staleness_applies_nothing_staler_than_the_bound(plane: Pl
     assert_exactly_once(plane.objects, run.job_id, run.spec)
     assert run.summary["epochs"] == 1
     # Each stale gradient was applied as computed: on the parameters of its base version,
-    # with the close's momentum (the replay sets it as the shards do).
+    # with the close's momentum (the replay sets it as the slice owners do).
     assert_replays(run, OPTIMIZERS["sgd"][1])
 
 

@@ -15,11 +15,16 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec
+from conveyor.platform.bus import Producer, TopicAdmin, TopicSpec, create_topology, ensure_topics
 from conveyor.platform.codec import decode
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import Batch, JobEvent, Message, ShardTask, Topics
-from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
+from conveyor.services.preprocessor.config import PreprocessorSettings
 from conveyor.services.preprocessor.service import PreprocessorService
 from conveyor.training.datasets import open_dataset
 from conveyor.training.plan import JobPlan
@@ -55,14 +60,10 @@ async def running(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Prepro
 
 
 async def setup_topics(kafka: KafkaSettings, *batch_jobs: str) -> Topics:
-    """The shared topics and the batches topics of ``batch_jobs``, as the sharder makes them."""
+    """The global topics and the batches topics of ``batch_jobs``, as the sharder makes them."""
     topics = Topics(kafka.topic_prefix)
-    async with TopicAdmin(kafka) as admin:
-        await admin.create_topics([
-            TopicSpec(topics.jobs, partitions=2),
-            TopicSpec(topics.shards, partitions=2),
-            *(TopicSpec(topics.batches(job), partitions=2) for job in batch_jobs),
-        ])  # fmt: skip
+    await create_topology(kafka, TopologySettings(jobs_partitions=2, shards_partitions=2))
+    await ensure_topics(kafka, [TopicSpec(topics.batches(job), partitions=2) for job in batch_jobs])
     return topics
 
 
@@ -160,6 +161,25 @@ async def committed_offsets(kafka: KafkaSettings, topic: str, group: str) -> dic
         await consumer.stop()
 
 
+async def test_not_ready_until_the_sharders_topics_exist(kafka_settings: KafkaSettings) -> None:
+    topics = Topics(kafka_settings.topic_prefix)
+    service = make_service(kafka_settings)
+    serving = asyncio.create_task(service.serve())
+    try:
+        await asyncio.sleep(1.5)
+        assert not service.readiness() and not serving.done()
+        async with TopicAdmin(kafka_settings) as admin:  # the preprocessor creates none
+            assert not {topics.jobs, topics.shards, topics.dlq} & await admin.list_topics()
+        await setup_topics(kafka_settings)
+        deadline = time.monotonic() + 10
+        while not service.readiness():
+            assert time.monotonic() < deadline and not serving.done(), "preprocessor never ready"
+            await asyncio.sleep(0.05)
+    finally:
+        service.request_stop()
+        assert await asyncio.wait_for(serving, 30) == 0
+
+
 async def test_tasks_become_batches_with_traces_and_commits(
     kafka_settings: KafkaSettings, spans: InMemorySpanExporter
 ) -> None:
@@ -175,7 +195,7 @@ async def test_tasks_become_batches_with_traces_and_commits(
     async with running(kafka_settings), TopicReader(kafka_settings, topics.batches("job1")) as out:
         await publish_tasks(kafka_settings, tasks)
         await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(tasks), 20)
-        await committed_offsets(kafka_settings, topics.shards, group_id(topics.prefix))
+        await committed_offsets(kafka_settings, topics.shards, topics.preprocessor_group)
     by_id = {m.batch_id: (m, headers) for m, headers, _ in out.records if isinstance(m, Batch)}
     assert set(by_id) == expected_ids(tasks)
     for task in tasks:
@@ -233,7 +253,7 @@ async def test_ended_jobs_are_dropped_and_bad_datasets_fail_the_job(
         await publish_tasks(kafka_settings, [*gone, *bad, *good])
         await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(good), 20)
         await jobs.wait_for(lambda m: any(isinstance(e, JobEvent) for e in m), 10)
-        await committed_offsets(kafka_settings, topics.shards, group_id(topics.prefix))
+        await committed_offsets(kafka_settings, topics.shards, topics.preprocessor_group)
     failed = [m for m in jobs.messages if isinstance(m, JobEvent)]
     assert [(e.job_id, e.EVENT) for e in failed] == [("bad", "failed")]  # once per job
     assert "/nonexistent/conveyor-test" in failed[0].details()["reason"]

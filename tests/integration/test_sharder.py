@@ -14,7 +14,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conveyor.platform.bus import Producer, TopicAdmin
 from conveyor.platform.codec import decode
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import JobEvent, Message, ShardTask, Topics
 from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.service import SharderService
@@ -42,9 +47,12 @@ def spec_with(**changes: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def running_sharder(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[SharderService]:
+async def running_sharder(
+    kafka: KafkaSettings, topology: TopologySettings | None = None, **settings: Any
+) -> AsyncIterator[SharderService]:
     service = SharderService(
         settings=SharderSettings(tick_s=0.1, **settings),
+        topology=topology or TopologySettings(),
         kafka=kafka,
         storage=StorageSettings(),
         telemetry=TelemetrySettings(otlp_endpoint=None),
@@ -133,6 +141,17 @@ def progress(consumed: int, **extra: Any) -> dict[str, Any]:
     return {"step": 1, "consumed_batches": consumed, **extra}
 
 
+async def test_creates_the_global_topics_with_the_topologys_partitions(
+    kafka_settings: KafkaSettings,
+) -> None:
+    topics = Topics(kafka_settings.topic_prefix)
+    topology = TopologySettings(jobs_partitions=3, shards_partitions=5)
+    async with running_sharder(kafka_settings, topology):
+        for name, partitions in [(topics.jobs, 3), (topics.shards, 5), (topics.dlq, 1)]:
+            async with TopicReader(kafka_settings, name) as topic:
+                assert topic.partitions == partitions, name
+
+
 async def test_plans_releases_with_flow_control_and_cancels(
     kafka_settings: KafkaSettings, spans: InMemorySpanExporter
 ) -> None:
@@ -158,7 +177,7 @@ async def test_plans_releases_with_flow_control_and_cancels(
         }  # fmt: skip
         assert {topics.batches("job1"), topics.control("job1")} <= await topic_names(kafka_settings)
         async with TopicReader(kafka_settings, topics.grads("job1")) as grads:
-            assert grads.partitions == 3  # one per aggregator shard
+            assert grads.partitions == 3  # one per parameter slice
         async with TopicReader(kafka_settings, topics.params("job1")) as params:
             assert params.partitions == 3
 

@@ -33,7 +33,7 @@ from plane_harness import (
     trainer,
 )
 
-from conveyor.platform.bus import Producer, TopicSpec, TopicTail, ensure_topics
+from conveyor.platform.bus import Producer, TopicTail, ensure_topics
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import Heartbeat, StepClose, Topics
 from conveyor.services.trainer.timing import STEP_PARTS
@@ -253,15 +253,7 @@ async def plan_by_hand(
     kafka: KafkaSettings, topics: Topics, job_id: str, spec: dict[str, Any]
 ) -> None:
     """What the sharder does before training starts: topics, ``submitted``, ``planned``."""
-    await ensure_topics(
-        kafka,
-        [
-            TopicSpec(topics.batches(job_id), partitions=2),
-            TopicSpec(topics.control(job_id)),
-            TopicSpec(topics.grads(job_id), partitions=2),
-            TopicSpec(topics.params(job_id), partitions=2),
-        ],
-    )
+    await ensure_topics(kafka, topics.job_topic_specs(job_id, batches_partitions=2, slices=2))
     planned = {
         "num_train": 1438, "num_eval": 359, "num_classes": 10, "sample_shape": [1, 8, 8],
         "train_batches_per_epoch": 45, "eval_batches_per_epoch": 12, "steps_per_epoch": 12,

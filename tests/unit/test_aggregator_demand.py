@@ -8,7 +8,7 @@ import torch
 from conveyor.platform.messages import Contribution, GradSlice, Rejection, StepClose
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
-from conveyor.services.aggregator.shard import SliceShard
+from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.compression import encode_slice
 from conveyor.training.jobspec import JobSpec, OptimizerSpec
 
@@ -31,8 +31,8 @@ def coordinator() -> Coordinator:
     )  # fmt: skip
 
 
-def shard(index: int) -> SliceShard[str]:
-    return SliceShard(
+def owner(index: int) -> SliceOwner[str]:
+    return SliceOwner(
         slice_index=index,
         values=torch.zeros(4),
         version=0,
@@ -67,49 +67,49 @@ def close(version: int, *entries: tuple[str, int]) -> StepClose:
 
 
 def test_nothing_announced_nothing_wanted() -> None:
-    shards = {0: shard(0), 1: shard(1)}
-    assert not grads_wanted(coordinator(), shards, owned={0, 1}, opening=False)
+    owners = {0: owner(0), 1: owner(1)}
+    assert not grads_wanted(coordinator(), owners, owned={0, 1}, opening=False)
 
 
-def test_an_owned_partition_without_its_shard_or_an_opening_one_is_read() -> None:
-    shards = {0: shard(0)}
-    assert grads_wanted(coordinator(), shards, owned={0, 1}, opening=False)
-    assert grads_wanted(coordinator(), shards, owned={0}, opening=True)
+def test_an_owned_partition_without_its_owner_or_an_opening_one_is_read() -> None:
+    owners = {0: owner(0)}
+    assert grads_wanted(coordinator(), owners, owned={0, 1}, opening=False)
+    assert grads_wanted(coordinator(), owners, owned={0}, opening=True)
 
 
-def test_a_contribution_is_wanted_until_every_shard_holds_its_slice() -> None:
+def test_a_contribution_is_wanted_until_every_owner_holds_its_slice() -> None:
     c = coordinator()
-    shards = {0: shard(0), 1: shard(1)}
+    owners = {0: owner(0), 1: owner(1)}
     c.fold(contribution("a:1", 2))
-    assert grads_wanted(c, shards, owned={0, 1}, opening=False)
-    shards[0].add(grad("a:1", 0), "r0")
-    assert grads_wanted(c, shards, owned={0, 1}, opening=False)  # slice 1 still missing
-    shards[1].add(grad("a:1", 1), "r1")
-    assert not grads_wanted(c, shards, owned={0, 1}, opening=False)
+    assert grads_wanted(c, owners, owned={0, 1}, opening=False)
+    owners[0].add(grad("a:1", 0), "r0")
+    assert grads_wanted(c, owners, owned={0, 1}, opening=False)  # slice 1 still missing
+    owners[1].add(grad("a:1", 1), "r1")
+    assert not grads_wanted(c, owners, owned={0, 1}, opening=False)
 
 
 def test_an_empty_or_rejected_contribution_has_nothing_to_read() -> None:
     c = coordinator()
-    shards = {0: shard(0)}
+    owners = {0: owner(0)}
     c.fold(contribution("a:1", 0))
-    assert not grads_wanted(c, shards, owned={0}, opening=False)
+    assert not grads_wanted(c, owners, owned={0}, opening=False)
     c.fold(contribution("b:1", 2))
-    assert grads_wanted(c, shards, owned={0}, opening=False)
+    assert grads_wanted(c, owners, owned={0}, opening=False)
     c.fold(
         Rejection(
             job_id=JOB, contribution_id="b:1", worker_id="b", current_version=3, reason="stale"
         )
     )
-    assert not grads_wanted(c, shards, owned={0}, opening=False)
+    assert not grads_wanted(c, owners, owned={0}, opening=False)
 
 
 def test_the_next_close_is_wanted_until_its_slices_are_held() -> None:
     c = coordinator()
-    shards = {0: shard(0)}
+    owners = {0: owner(0)}
     c.fold(close(1, ("a:1", 2)))  # its contribution was never folded here (a late joiner)
-    assert grads_wanted(c, shards, owned={0}, opening=False)
-    shards[0].add(grad("a:1", 0), "r0")
-    assert not grads_wanted(c, shards, owned={0}, opening=False)
-    shards[0].apply(c.closes[1])
-    assert shards[0].version == 1
-    assert not grads_wanted(c, shards, owned={0}, opening=False)
+    assert grads_wanted(c, owners, owned={0}, opening=False)
+    owners[0].add(grad("a:1", 0), "r0")
+    assert not grads_wanted(c, owners, owned={0}, opening=False)
+    owners[0].apply(c.closes[1])
+    assert owners[0].version == 1
+    assert not grads_wanted(c, owners, owned={0}, opening=False)

@@ -250,6 +250,33 @@ def test_topic_names() -> None:
     assert Topics("").jobs == "jobs"
 
 
+def test_group_ids_carry_the_topic_prefix() -> None:
+    topics = Topics("conveyor.")
+    assert topics.sharder_group == "conveyor-sharder"
+    assert topics.preprocessor_group == "conveyor-preprocessors"
+    assert topics.trainer_group("j1") == "conveyor-trainer.j1"
+    assert topics.aggregator_group("j1") == "conveyor-aggregator.j1"
+    assert Topics("team-b.").trainer_group("j1") == "team-b-trainer.j1"
+    assert Topics("").trainer_group("j1") == "conveyor-trainer.j1"
+    assert Topics("").preprocessor_group == "conveyor-preprocessors"
+
+
+def test_topic_layout() -> None:
+    topics = Topics("conveyor.")
+    shared = topics.global_topics(jobs_partitions=4, shards_partitions=8)
+    assert [(t.name, t.partitions) for t in shared] == [
+        ("conveyor.jobs", 4), ("conveyor.shards", 8), ("conveyor.dlq", 1),
+    ]  # fmt: skip
+    per_job = topics.job_topic_specs("j1", batches_partitions=6, slices=3)
+    assert {t.name: t.partitions for t in per_job} == {
+        "conveyor.job.j1.batches": 6, "conveyor.job.j1.control": 1,
+        "conveyor.job.j1.grads": 3, "conveyor.job.j1.params": 3,
+    }  # fmt: skip
+    assert {t.name for t in per_job} == set(topics.job_topics("j1"))
+    with pytest.raises(ValueError, match="partitions"):
+        topics.job_topic_specs("j1", batches_partitions=2, slices=0)
+
+
 @pytest.mark.parametrize("prefix", ["con veyor.", "conveyor/", "x" * 101])
 def test_invalid_topic_prefix_is_rejected(prefix: str) -> None:
     with pytest.raises(ValueError, match="prefix"):

@@ -11,7 +11,8 @@ import torch
 from conveyor.platform.codec import decode, encode
 from conveyor.platform.config import StorageSettings
 from conveyor.platform.messages import Batch, ShardTask
-from conveyor.services.preprocessor.runtime import BusyMeter, DatasetCache
+from conveyor.services.preprocessor.busy_meter import BusyMeter
+from conveyor.services.preprocessor.dataset_cache import DatasetCache
 from conveyor.services.preprocessor.work import (
     augmenter_for,
     batch_ids,

@@ -19,7 +19,7 @@ BOUNDS = slice_bounds(N, 2)  # [0, 20) and [20, 40)
 
 
 def sent(encoded: EncodedGrad) -> torch.Tensor:
-    """The dense vector a shard decodes from the slices, [N]."""
+    """The dense vector the slice owners decode from the slices, [N]."""
     return torch.cat(
         [decode_slice(s.encoding, s.values, s.indices, s.numel) for s in encoded.slices]
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.platform.messages import JobPlanned, Topics
-from conveyor.services.trainer.config import TrainerSettings, group_id
+from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.session import prepare_job
 from conveyor.services.trainer.tally import TrainerTally
 from conveyor.training.jobhost import JobFailure
@@ -128,9 +128,3 @@ def test_tally_counts_applied_contributions() -> None:
     tally.applied(samples=64, batches=2, loss_sum=32.0)
     tally.applied(samples=0, batches=0, loss_sum=0.0)  # an empty contribution
     assert (tally.samples_trained, tally.batches_trained, tally.loss) == (64, 2, 0.5)
-
-
-def test_the_trainers_group_carries_the_topic_prefix() -> None:
-    assert group_id("conveyor.", "j1") == "conveyor-trainer.j1"
-    assert group_id("team-b.", "j1") == "team-b-trainer.j1"
-    assert group_id("", "j1") == "conveyor-trainer.j1"

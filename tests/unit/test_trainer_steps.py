@@ -1,6 +1,6 @@
 """The trainer's step loop against a scripted control log and params topic (no broker).
 
-The test plays the coordinator and the aggregator shards: it reads what the runner sends
+The test plays the coordinator and the slice owners: it reads what the runner sends
 (GradSlices, Contributions) from a fake producer and answers with StepCloses, Rejections and
 ParamSlices fed to the runner's log handlers, as its followers would.
 """

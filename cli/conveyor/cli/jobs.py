@@ -118,7 +118,7 @@ def gateway_for(
 
 def pool_sizes(spec: dict[str, Any]) -> dict[str, int]:
     """The trainer and aggregator processes a stack started for ``spec`` runs: one per trainer
-    and one per aggregator shard the job asks for."""
+    and one per parameter slice the job asks for (``distribution.aggregator_shards``)."""
     from conveyor.embedded.registry import MAX_REPLICAS
 
     distribution = spec["distribution"]

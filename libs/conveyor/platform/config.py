@@ -184,3 +184,31 @@ class TelemetrySettings(_FileAwareSettings):
     http_port: Annotated[int, Field(ge=0, le=65535)] = Field(
         default=0, description="Port of /healthz, /readyz and /metrics; 0 picks a free one."
     )
+
+
+class TopologySettings(_FileAwareSettings):
+    """Partition counts of the topics (the layout is :class:`~conveyor.platform.messages.Topics`).
+
+    Read by the topics' one owner, the sharder, which creates the global topics on start and a
+    job's topics when it plans the job; the other services create no topic.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_TOPOLOGY_", frozen=True, extra="forbid")
+
+    jobs_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=4, description="Partitions of the jobs topic: the most sharders that share jobs."
+    )
+    shards_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=8,
+        description="Partitions of the shards topic: the most preprocessors that work at once.",
+    )
+    batches_partitions_per_trainer: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=2, description="Partitions of a job's batches topic per trainer the job wants."
+    )
+    min_batches_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
+        default=2, description="Fewest partitions of a job's batches topic."
+    )
+
+    def batches_partitions(self, trainers: int) -> int:
+        """Partitions of a job's batches topic for a job that wants ``trainers`` trainers."""
+        return max(self.min_batches_partitions, self.batches_partitions_per_trainer * trainers)

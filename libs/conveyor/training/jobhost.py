@@ -1,12 +1,12 @@
 """The job host: what the services that work on jobs (trainer, aggregator) share.
 
-A :class:`JobHostService` replays ``conveyor.jobs`` into a :class:`JobsView` (``/readyz``
-turns 200 once caught up), then keeps one task per job it hosts: the oldest servable jobs
-first (planned or running, not terminal, not asked to cancel), at most ``max_jobs`` at once.
-A task prepares the job in a thread (:meth:`~JobHostService.prepare_job`, again for every
-attempt) and runs it (:meth:`~JobHostService.run_job`) until the job turns terminal or a
-cancel is requested; then the host lets it go (cancels the task once; the subclass's work
-leaves its consumer groups).
+A :class:`JobHostService` waits for ``conveyor.jobs`` (the sharder creates it), replays it into
+a :class:`JobsView` (``/readyz`` turns 200 once caught up), then keeps one task per job it
+hosts: the oldest servable jobs first (planned or running, not terminal, not asked to cancel),
+at most ``max_jobs`` at once. A task prepares the job in a thread
+(:meth:`~JobHostService.prepare_job`, again for every attempt) and runs it
+(:meth:`~JobHostService.run_job`) until the job turns terminal or a cancel is requested; then
+the host lets it go (cancels the task once; the subclass's work leaves its consumer groups).
 
 What a task's end means, the same for every host:
 
@@ -34,7 +34,7 @@ from collections.abc import Coroutine
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar, Generic, TypeVar
 
-from conveyor.platform.bus import BusError, Producer
+from conveyor.platform.bus import Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.errors import ConveyorError
 from conveyor.platform.messages import JobCancelled, JobFailed, Topics
@@ -45,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 Prepared = TypeVar("Prepared")
 
-_TOPIC_WAIT_S = 1.0
-"""Seconds between attempts to open the jobs topic while it does not exist yet."""
 _RECONCILE_S = 1.0
 """Longest pause between two passes over the jobs (a change wakes the host at once)."""
 
@@ -169,13 +167,9 @@ class JobHostService(Service, Generic[Prepared]):
         await self._stop_jobs()
 
     async def _open(self, reader: JobLogReader) -> None:
-        while True:
-            try:
-                await reader.start()
-                return
-            except BusError as exc:
-                logger.info("waiting for %s: %s", self.topics.jobs, exc)
-                await asyncio.sleep(_TOPIC_WAIT_S)
+        # The sharder owns the topology: wait for it to create the jobs topic.
+        await wait_for_topics(self.kafka, [self.topics.jobs])
+        await reader.start()
 
     # -- hosting ---------------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ class PreprocessSpec(_Spec):
 
 class OptimizerSpec(_Spec):
     name: Literal["sgd", "adam", "adamw"]
-    """Element-wise optimizer run by the aggregator shards."""
+    """Element-wise optimizer run by the aggregators, one per parameter slice."""
     lr: float = Field(gt=0.0, le=10.0)
     """Learning rate."""
     momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -247,7 +247,9 @@ class DistributionSpec(_Spec):
     trainers: int = Field(default=1, ge=1, le=1024)
     """Trainer processes the job wants."""
     aggregator_shards: int = Field(default=1, ge=1, le=256)
-    """Parameter slices = partitions of the grads/params topics."""
+    """K, the parameter slices = partitions of the grads/params topics, each owned by one
+    aggregator process at a time (the key predates the word "slice" and stays: a shard is a
+    data shard everywhere else)."""
     mode: Literal["sync", "ssp"] = "sync"
     """sync: every step waits for all members; ssp: bounded-staleness async."""
     staleness: int = Field(default=2, ge=0, le=1000)

@@ -5,7 +5,7 @@ element's own gradient and state only, so running one optimizer per slice of the
 parameters (ZeRO-style partitioned optimizer state) gives exactly the update of one optimizer
 over the whole model. :class:`SliceOptimizer` holds one slice as a single flat fp32
 ``nn.Parameter`` with its optimizer; :func:`lr_at` is the schedule the coordinator evaluates
-for every step (the shards apply the ``lr`` its StepClose carries).
+for every step (the slice owners apply the ``lr`` its StepClose carries).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def momentum_correction(spec: JobSpec) -> bool:
 
 
 def aggregator_optimizer(spec: JobSpec) -> OptimizerSpec:
-    """The optimizer the aggregator shards run: the job's, without momentum when the trainers
+    """The optimizer the slice owners run: the job's, without momentum when the trainers
     keep it (:func:`momentum_correction`); weight decay stays on the aggregator."""
     optimizer = spec.training.optimizer
     if momentum_correction(spec):

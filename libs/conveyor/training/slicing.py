@@ -2,7 +2,7 @@
 
 Every parameter of ``model.named_parameters()`` (in that order) is flattened into one fp32
 vector of N elements; slice p of K is ``[p * N // K, (p + 1) * N // K)``, partition p of the
-job's grads and params topics. Trainers and aggregator shards compute the layout from the same
+job's grads and params topics. Trainers and aggregators compute the layout from the same
 model independently, so it is never sent.
 
 Buffers (BatchNorm running statistics) are not parameters and would not be aggregated:

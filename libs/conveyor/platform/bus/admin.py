@@ -1,10 +1,11 @@
-"""Create, delete and list topics (the broker creates none by itself)."""
+"""Create, delete and list topics (the broker creates none by itself); create the topology
+(the sharder, its one owner) and wait for it (everyone else)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
@@ -16,28 +17,11 @@ from aiokafka.errors import (
 
 from conveyor.platform.bus.errors import BusError, from_kafka_error
 from conveyor.platform.bus.options import admin_options, topic_config
-from conveyor.platform.config import KafkaSettings
+from conveyor.platform.config import KafkaSettings, TopologySettings
 from conveyor.platform.lifecycle import AsyncLifecycle
+from conveyor.platform.messages.topics import Topics, TopicSpec
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TopicSpec:
-    """A topic to create."""
-
-    name: str
-    """Full topic name, prefix included."""
-    partitions: int = 1
-    """Number of partitions (>= 1); the upper bound of a consumer group's parallelism."""
-    config: Mapping[str, str] = field(default_factory=dict)
-    """Extra topic configs; they override the bus defaults (``max.message.bytes``)."""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("topic name must not be empty")
-        if self.partitions < 1:
-            raise ValueError(f"topic {self.name!r}: partitions must be >= 1, got {self.partitions}")
 
 
 class TopicAdmin(AsyncLifecycle):
@@ -138,3 +122,48 @@ async def ensure_topics(settings: KafkaSettings, specs: Iterable[TopicSpec]) -> 
     """Create the topics that do not exist yet, over a short-lived admin connection."""
     async with TopicAdmin(settings) as admin:
         await admin.create_topics(specs, exist_ok=True)
+
+
+async def create_topology(kafka: KafkaSettings, topology: TopologySettings) -> None:
+    """Create the global topics (:meth:`Topics.global_topics`: jobs, shards, dead letters) that
+    do not exist yet; existing ones keep their partitions.
+
+    The sharder, the topics' one owner, calls this on start; so do tests that run a service
+    without a sharder. Raises :class:`BusError` (:class:`BusUnavailable` when retriable).
+    """
+    topics = Topics(kafka.topic_prefix)
+    await ensure_topics(
+        kafka,
+        topics.global_topics(
+            jobs_partitions=topology.jobs_partitions,
+            shards_partitions=topology.shards_partitions,
+        ),
+    )
+
+
+async def wait_for_topics(
+    settings: KafkaSettings, names: Iterable[str], *, poll_s: float = 1.0
+) -> None:
+    """Return once every topic in ``names`` exists; the services that do not own the topology
+    call this before they read or write them (the sharder creates them).
+
+    Logs what it waits for (again when that changes). A broker that cannot be reached
+    (retriable :class:`BusError`) is retried every ``poll_s`` seconds too; other broker errors
+    raise. Cancellable.
+    """
+    wanted = set(names)
+    waiting_for: set[str] = set()
+    while True:
+        try:
+            async with TopicAdmin(settings) as admin:
+                while missing := wanted - await admin.list_topics():
+                    if missing != waiting_for:
+                        logger.info("waiting for %s", ", ".join(sorted(missing)))
+                        waiting_for = missing
+                    await asyncio.sleep(poll_s)
+            return
+        except BusError as exc:
+            if not exc.retriable:
+                raise
+            logger.info("waiting for the broker at %s: %s", settings.bootstrap, exc)
+            await asyncio.sleep(poll_s)

@@ -119,8 +119,8 @@ class Consumer(AsyncLifecycle):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Ensure the dead-letter topic, connect and join the group (asynchronously: the
-        assignment arrives in the background). Raises :class:`BusError` on failure."""
+        """Connect and join the group (asynchronously: the assignment arrives in the
+        background). Raises :class:`BusError` on failure."""
         if self._consumer is not None:
             return
         if self._closing:

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from conveyor.platform.bus.admin import TopicSpec, ensure_topics
+from conveyor.platform.bus.errors import BusError
 from conveyor.platform.bus.producer import Producer
 from conveyor.platform.codec import CodecLimits
 from conveyor.platform.config import KafkaSettings
@@ -23,7 +23,9 @@ _DEFAULT_LIMITS = CodecLimits()
 class DeadLetters:
     """Publishes :class:`DeadLetter` messages to ``Topics(settings.topic_prefix).dlq``.
 
-    Uses the given started ``producer``, or starts (and stops) its own.
+    Uses the given started ``producer``, or starts (and stops) its own. The topic is not
+    created here: the sharder creates it with the other global topics
+    (:func:`~conveyor.platform.bus.admin.create_topology`).
     """
 
     def __init__(self, settings: KafkaSettings, producer: Producer | None = None) -> None:
@@ -33,12 +35,10 @@ class DeadLetters:
         self._owns_producer = producer is None
 
     async def start(self) -> None:
-        """Make sure the topic exists and a producer is ready."""
+        """Start the producer when it is this object's own."""
         if self._producer is None:
             self._producer = Producer(self._settings)
-            await self._producer.start()  # creates the dead-letter topic if missing
-        elif not self._owns_producer:
-            await ensure_topics(self._settings, [TopicSpec(self.topic)])
+            await self._producer.start()
 
     async def stop(self) -> None:
         """Stop the producer if it is this object's own. Safe to call twice."""
@@ -49,7 +49,8 @@ class DeadLetters:
     async def park(self, record: Any, reason: str) -> None:
         """Publish ``record`` (an aiokafka ``ConsumerRecord``) with ``reason`` and wait for the
         ack. A payload too large to fit the size limit with the other fields is truncated (the
-        reason says so). Raises :class:`BusError` when the dead letter cannot be published."""
+        reason says so). Raises :class:`BusError` when the dead letter cannot be published
+        (logged as an error: a missing dead-letter topic is not created here)."""
         if self._producer is None:
             raise AssertionError("DeadLetters.park before start")
         payload: bytes = record.value or b""
@@ -77,4 +78,16 @@ class DeadLetters:
             payload=payload,
             failed_at=time.time(),
         )
-        await self._producer.publish(self.topic, letter, key=record.key)
+        try:
+            await self._producer.publish(self.topic, letter, key=record.key)
+        except BusError as exc:
+            logger.error(
+                "cannot dead-letter %s[%d]@%d: %s; does %s exist? The sharder creates it "
+                "with the other global topics",
+                record.topic,
+                record.partition,
+                record.offset,
+                exc,
+                self.topic,
+            )
+            raise

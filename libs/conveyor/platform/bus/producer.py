@@ -14,7 +14,6 @@ from aiokafka.structs import RecordMetadata
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from conveyor.platform.bus.admin import TopicSpec, ensure_topics
 from conveyor.platform.bus.errors import BusError, RecordTooLarge, from_kafka_error
 from conveyor.platform.bus.metrics import TopicMetrics, topic_metrics
 from conveyor.platform.bus.options import producer_options
@@ -22,7 +21,7 @@ from conveyor.platform.bus.tracing import MESSAGING_SYSTEM, inject_headers, key_
 from conveyor.platform.codec import CodecLimits, MessageTooLarge, encode
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.lifecycle import AsyncLifecycle
-from conveyor.platform.messages import Message, Topics
+from conveyor.platform.messages import Message
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +29,13 @@ Key = bytes | str | None
 
 
 class Producer(AsyncLifecycle):
-    """Sends messages to topics that exist (the bus never relies on auto-creation).
+    """Sends messages to topics that exist; it creates none (the sharder owns the topology) and
+    never relies on auto-creation: a send to a missing topic fails after ``request_timeout_s``.
 
-    ``async with`` starts and stops it; ``start`` also makes sure the dead-letter topic
-    exists. Each record is refused with :class:`RecordTooLarge` when value + key + headers
-    exceed ``settings.max_message_bytes``. Delivery is at-least-once: acks come from every
-    in-sync replica (``acks=all``), retries may duplicate a record (no idempotent producer on
-    Tansu), so consumers deduplicate by message id. Each send is a PRODUCER span
+    ``async with`` starts and stops it. Each record is refused with :class:`RecordTooLarge` when
+    value + key + headers exceed ``settings.max_message_bytes``. Delivery is at-least-once: acks
+    come from every in-sync replica (``acks=all``), retries may duplicate a record (no idempotent
+    producer on Tansu), so consumers deduplicate by message id. Each send is a PRODUCER span
     ``send <topic>`` whose context travels in the record's W3C headers.
     """
 
@@ -57,10 +56,9 @@ class Producer(AsyncLifecycle):
         return self._settings
 
     async def start(self) -> None:
-        """Connect and ensure the dead-letter topic. Raises :class:`BusError` on failure."""
+        """Connect. Raises :class:`BusError` on failure."""
         if self._producer is not None:
             return
-        await ensure_topics(self._settings, [TopicSpec(Topics(self._settings.topic_prefix).dlq)])
         producer = AIOKafkaProducer(**producer_options(self._settings))
         try:
             await producer.start()

@@ -24,7 +24,7 @@ not under ``TYPE_CHECKING``). Changing a schema's fields means a new version num
 
 The package keeps the whole wire contract in one place: the registry
 (:mod:`~conveyor.platform.messages.registry`), the topic names
-(:mod:`~conveyor.platform.messages.topics`) and the schemas, grouped by plane
+and layout (:mod:`~conveyor.platform.messages.topics`) and the schemas, grouped by plane
 (:mod:`~conveyor.platform.messages.data_plane`, :mod:`~conveyor.platform.messages.job_events`,
 :mod:`~conveyor.platform.messages.gradient_plane`). Import from the package itself: importing
 it registers every schema.
@@ -41,7 +41,13 @@ from conveyor.platform.messages.registry import (
     registered_messages,
     schema_for,
 )
-from conveyor.platform.messages.topics import SPLITS, Topics, batch_id_for, shard_id_for
+from conveyor.platform.messages.topics import (
+    SPLITS,
+    Topics,
+    TopicSpec,
+    batch_id_for,
+    shard_id_for,
+)
 
 # isort: split
 # The schema modules register their schemas when imported, in this order (the order of
@@ -104,6 +110,7 @@ __all__ = [
     "Rejection",
     "ShardTask",
     "StepClose",
+    "TopicSpec",
     "Topics",
     "TrainerJoined",
     "TrainerProgress",

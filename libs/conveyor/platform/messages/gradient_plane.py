@@ -1,4 +1,4 @@
-"""Schemas of the gradient plane (trainers <-> aggregator shards).
+"""Schemas of the gradient plane (trainers <-> the aggregators' slice owners).
 
 Versions: the model's parameters at version v are what every trainer computes on; version v+1
 results from applying the contributions listed in the StepClose of version v+1. Version 0 is
@@ -53,7 +53,7 @@ class GradSlice(Message):
 @dataclass(kw_only=True, slots=True)
 class Contribution(Message):
     """Sent by a trainer on ``Topics.control(job_id)`` after ALL of its GradSlices were
-    acknowledged: from then on every aggregator shard can apply it. May be empty
+    acknowledged: from then on every slice owner can apply it. May be empty
     (``num_samples == 0``) when the trainer had no batch for the step (sync mode)."""
 
     job_id: str
@@ -80,7 +80,7 @@ class Contribution(Message):
 @dataclass(kw_only=True, slots=True)
 class StepClose(Message):
     """The coordinator's decision, on ``Topics.control(job_id)``: version ``version`` is the
-    previous one plus exactly these contributions. Every shard applies it to its slice and
+    previous one plus exactly these contributions. Every slice owner applies it to its slice and
     publishes its ParamSlice of ``version``; trainers learn from it which batches are applied
     (commit them, skip redeliveries) and their next micro-batch allocation."""
 

@@ -1,9 +1,11 @@
-"""Kafka topic names and the deterministic ids that key records on them."""
+"""Kafka topic names, the topic layout, consumer group ids and the deterministic ids that key
+records on them."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 SPLITS = ("train", "eval")
 """Values of the ``split`` fields."""
@@ -12,6 +14,29 @@ SPLITS = ("train", "eval")
 _TOPIC_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]*")
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
+DLQ_PARTITIONS = 1
+"""Partitions of the dead-letter topic: people read it, no consumer group shares it."""
+CONTROL_PARTITIONS = 1
+"""Partitions of a job's control topic: every reader folds the whole log in one order."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    """A topic to create: its name, partition count and extra configs."""
+
+    name: str
+    """Full topic name, prefix included."""
+    partitions: int = 1
+    """Number of partitions (>= 1); the upper bound of a consumer group's parallelism."""
+    config: Mapping[str, str] = field(default_factory=dict)
+    """Extra topic configs; they override the bus defaults (``max.message.bytes``)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("topic name must not be empty")
+        if self.partitions < 1:
+            raise ValueError(f"topic {self.name!r}: partitions must be >= 1, got {self.partitions}")
+
 
 @dataclass(frozen=True, slots=True)
 class Topics:
@@ -19,6 +44,12 @@ class Topics:
 
     Per-job names are ``<prefix>job.<job_id>.<kind>``. Raises ValueError for a prefix or job id
     with characters Kafka does not allow in topic names (job ids may not contain dots).
+
+    Also the topic layout (:meth:`global_topics`, :meth:`job_topic_specs`: what the sharder,
+    the one owner of the topics, creates; every other service waits for them) and the consumer
+    group ids, ``<prefix without its trailing dot>-<role>`` (``conveyor-sharder`` under the
+    default prefix), so that stacks sharing a cluster under different prefixes never share a
+    group.
     """
 
     prefix: str
@@ -35,7 +66,7 @@ class Topics:
 
     @property
     def shards(self) -> str:
-        """Shard tasks (:class:`ShardTask`) for the preprocessor pool, key = job id."""
+        """Shard tasks (:class:`ShardTask`) for the preprocessor pool, key = shard id."""
         return f"{self.prefix}shards"
 
     @property
@@ -67,6 +98,53 @@ class Topics:
             self.params(job_id),
             self.control(job_id),
         )
+
+    def global_topics(
+        self, *, jobs_partitions: int, shards_partitions: int
+    ) -> tuple[TopicSpec, ...]:
+        """The topics every job shares, created once by the sharder: jobs, shards (its
+        partitions bound the preprocessors that work at once) and the dead-letter topic."""
+        return (
+            TopicSpec(self.jobs, partitions=jobs_partitions),
+            TopicSpec(self.shards, partitions=shards_partitions),
+            TopicSpec(self.dlq, partitions=DLQ_PARTITIONS),
+        )
+
+    def job_topic_specs(
+        self, job_id: str, *, batches_partitions: int, slices: int
+    ) -> tuple[TopicSpec, ...]:
+        """The topics of one job (:meth:`job_topics`), created by the sharder when it plans the
+        job: ``batches_partitions`` for its batches, one partition per parameter slice for its
+        grads and params (partition p = slice p), one for its control log."""
+        return (
+            TopicSpec(self.batches(job_id), partitions=batches_partitions),
+            TopicSpec(self.control(job_id), partitions=CONTROL_PARTITIONS),
+            TopicSpec(self.grads(job_id), partitions=slices),
+            TopicSpec(self.params(job_id), partitions=slices),
+        )
+
+    @property
+    def sharder_group(self) -> str:
+        """Consumer group of the sharders on the jobs topic (a job's partition picks its
+        sharder; a rebalance is failover)."""
+        return self._group("sharder")
+
+    @property
+    def preprocessor_group(self) -> str:
+        """Consumer group of the preprocessor pool on the shards topic."""
+        return self._group("preprocessors")
+
+    def trainer_group(self, job_id: str) -> str:
+        """Consumer group of a job's trainers on its batches topic."""
+        return self._group(f"trainer.{job_id}")
+
+    def aggregator_group(self, job_id: str) -> str:
+        """Consumer group of a job's aggregators on its grads topic: the assignment of the grads
+        partitions is the ownership of the parameter slices."""
+        return self._group(f"aggregator.{job_id}")
+
+    def _group(self, role: str) -> str:
+        return f"{self.prefix.rstrip('.') or 'conveyor'}-{role}"
 
     def _job(self, job_id: str, kind: str) -> str:
         if not _JOB_ID_RE.fullmatch(job_id):

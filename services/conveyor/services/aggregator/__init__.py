@@ -1,1 +1,2 @@
-"""The aggregator: sharded gradient aggregation and parameter serving (DESIGN section 5)."""
+"""The aggregator: gradient aggregation and parameter serving, the parameters cut into K slices
+whose owners share the aggregator processes (DESIGN section 5)."""

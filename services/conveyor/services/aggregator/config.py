@@ -12,13 +12,6 @@ from pydantic_settings import SettingsConfigDict
 from conveyor.platform.config import _FileAwareSettings
 
 
-def group_id(topic_prefix: str, job_id: str) -> str:
-    """Consumer group of a job's aggregator shards on its grads topic: the assignment of the
-    grads partitions is the ownership of the slices (``conveyor-aggregator.<job_id>`` under
-    the default prefix)."""
-    return f"{topic_prefix.rstrip('.') or 'conveyor'}-aggregator.{job_id}"
-
-
 def _default_worker_id() -> str:
     return f"aggregator-{socket.gethostname()}-{os.getpid()}"
 
@@ -53,7 +46,7 @@ class AggregatorSettings(_FileAwareSettings):
     max_held_slices: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
         default=4096,
         description=(
-            "Gradient-slice records one job's shards may hold unacknowledged (the grads "
+            "Gradient-slice records one job's slice owners may hold unacknowledged (the grads "
             "consumer's max_in_flight): a few steps' worth of contributions per slice."
         ),
     )

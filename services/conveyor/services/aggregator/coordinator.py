@@ -25,7 +25,8 @@ topic's partitions (:meth:`Coordinator.routing`) so that each trainer also *rece
 share of the batches; equal splits each step equally and routes nothing.
 
 SGD momentum under bounded staleness: a close whose gradient is ``d > 0`` versions old carries
-``momentum / (1 + d)`` (:func:`conveyor.training.optim.staleness_momentum`); the shards apply it.
+``momentum / (1 + d)`` (:func:`conveyor.training.optim.staleness_momentum`); the slice owners apply
+it.
 
 The learning-rate schedule's step: sync counts non-empty steps; ssp counts applied train
 batches / micro_batches_per_step (an ssp step holds one trainer's share). ``max_steps`` caps

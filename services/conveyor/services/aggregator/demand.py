@@ -16,32 +16,32 @@ from collections.abc import Collection, Mapping
 from typing import TypeVar
 
 from conveyor.services.aggregator.coordinator import Coordinator
-from conveyor.services.aggregator.shard import SliceShard
+from conveyor.services.aggregator.slice_owner import SliceOwner
 
 R = TypeVar("R")
 
 
 def grads_wanted(
     coordinator: Coordinator,
-    shards: Mapping[int, SliceShard[R]],
+    owners: Mapping[int, SliceOwner[R]],
     *,
     owned: Collection[int],
     opening: bool,
 ) -> bool:
-    """Whether a GradSlice these ``shards`` need may be waiting on the grads topic.
+    """Whether a GradSlice these slice ``owners`` need may be waiting on the grads topic.
 
     True while a slice is being opened (``opening``, or an ``owned`` partition without its
-    shard: a new owner reads from the committed offset), or when a shard lacks the slice of
-    its next StepClose, or of a folded contribution that is neither applied nor rejected yet
-    (an empty contribution has no slices).
+    owner yet: a new owner reads from the committed offset), or when an owner lacks the
+    GradSlice of its next StepClose, or of a folded contribution that is neither applied nor
+    rejected yet (an empty contribution has no slices).
     """
-    if opening or not set(owned) <= shards.keys():
+    if opening or not set(owned) <= owners.keys():
         return True
     undecided = [c.contribution_id for c in coordinator.undecided() if c.num_samples > 0]
-    for shard in shards.values():
-        close = coordinator.closes.get(shard.version + 1)
-        if close is not None and shard.missing(close):
+    for owner in owners.values():
+        close = coordinator.closes.get(owner.version + 1)
+        if close is not None and owner.missing(close):
             return True
-        if not all(shard.holds(contribution_id) for contribution_id in undecided):
+        if not all(owner.holds(contribution_id) for contribution_id in undecided):
             return True
     return False

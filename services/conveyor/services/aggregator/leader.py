@@ -69,7 +69,7 @@ class Leader:
 
         Returns whether it closed a step and folded that StepClose at once: when every record
         before it on the control log (``control_log``, the tail this process folds) was read
-        already, folding it now is folding it in log order, and this process's shards may
+        already, folding it now is folding it in log order, and this process's slice owners may
         apply it without the hop of reading it back. Otherwise it is folded when read.
         """
         if self._completion is not None:
@@ -96,7 +96,7 @@ class Leader:
         for result in coordinator.epochs.results():
             await self._epoch_completed(result)
         if coordinator.finished:
-            # In a task: the final ParamSlices may come from this very process's shards,
+            # In a task: the final ParamSlices may come from this very process's slice owners,
             # which the caller advances between two passes.
             await self._progress(force=True)
             self._completion = asyncio.create_task(

@@ -20,12 +20,12 @@ class AggregatorMetrics:
 
     def __init__(self) -> None:
         self.steps = counter(
-            "aggregator", "steps_total", "Versions applied and published by this process's shards."
+            "aggregator", "steps_total", "Versions applied and published by this process's slices."
         )
         self.step_seconds = histogram(
             "aggregator",
             "step_seconds",
-            "Per shard and version: from holding every input of the step to its ParamSlice "
+            "Per slice and version: from holding every input of the step to its ParamSlice "
             "acknowledged by the broker (decode, optimizer step, publish).",
             buckets=LATENCY_BUCKETS_S,
         )

@@ -1,14 +1,14 @@
 """The aggregator service: serves the gradient plane of every running job.
 
-The job host (:class:`~conveyor.training.jobhost.JobHostService`) replays the jobs topic
-(``/readyz`` turns 200 once caught up and the optimizer warm-up is done) and keeps one
-:class:`JobAggregator` per planned, non-terminal job that was not asked to cancel: it joins the
-job's aggregator group on the grads topic, so the processes share the job's K slices and a
-rebalance moves a slice to a survivor. A job that turns terminal or is asked to cancel is let
-go (its consumer leaves the group). A job that cannot be served (invalid plan, a model with
-buffers, a corrupt gradient slice) is ``failed`` with the reason; a retriable broker or
-storage failure serves the job again after a backoff; any other error ends the process so
-that its supervisor restarts it.
+The job host (:class:`~conveyor.training.jobhost.JobHostService`) waits for the jobs topic (the
+sharder creates it), replays it (``/readyz`` turns 200 once caught up and the optimizer warm-up
+is done) and keeps one :class:`JobAggregator` per planned, non-terminal job that was not asked
+to cancel: it joins the job's aggregator group on the grads topic, so the processes share the
+job's K slices and a rebalance moves a slice to a survivor. A job that turns terminal or is
+asked to cancel is let go (its consumer leaves the group). A job that cannot be served (invalid
+plan, a model with buffers, a corrupt gradient slice) is ``failed`` with the reason; a retriable
+broker or storage failure serves the job again after a backoff; any other error ends the process
+so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySe
 from conveyor.platform.storage import ObjectStore, open_store
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.job import JobContext, prepare_job, warm_up
+from conveyor.services.aggregator.job_loop import JobAggregator
 from conveyor.services.aggregator.metrics import AggregatorMetrics
-from conveyor.services.aggregator.runtime import JobAggregator
 from conveyor.training.jobhost import JobFailure, JobHostService
 from conveyor.training.jobview import JobView
 
@@ -52,8 +52,8 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
         self.settings = settings
         self.storage = storage
         self.metrics = AggregatorMetrics()
-        self.runtimes: dict[str, JobAggregator] = {}
-        """The job runtimes serving now, by job id (tests look inside)."""
+        self.job_aggregators: dict[str, JobAggregator] = {}
+        """The JobAggregator serving each job now, by job id (tests look inside)."""
         self._warmed = False
 
     def readiness(self) -> bool:
@@ -78,7 +78,7 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
 
     async def run_job(self, job: JobView, prepared: tuple[JobContext, ObjectStore]) -> None:
         ctx, store = prepared
-        runtime = JobAggregator(
+        job_aggregator = JobAggregator(
             ctx,
             settings=self.settings,
             kafka=self.kafka,
@@ -87,14 +87,14 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
             store=store,
             reported=lambda epoch: epoch in self._reported_epochs(job.job_id),
         )
-        self.runtimes[job.job_id] = runtime
-        self.metrics.served_jobs.set(len(self.runtimes))
+        self.job_aggregators[job.job_id] = job_aggregator
+        self.metrics.served_jobs.set(len(self.job_aggregators))
         logger.info("job %s: serving its gradient plane", job.job_id)
         try:
-            await runtime.run()
+            await job_aggregator.run()
         finally:
-            self.runtimes.pop(job.job_id, None)
-            self.metrics.served_jobs.set(len(self.runtimes))
+            self.job_aggregators.pop(job.job_id, None)
+            self.metrics.served_jobs.set(len(self.job_aggregators))
 
     def _reported_epochs(self, job_id: str) -> dict[int, Any]:
         job = self.view.get(job_id)

@@ -57,9 +57,6 @@ class GatewaySettings(_FileAwareSettings):
             "instead of the events it missed."
         ),
     )
-    jobs_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
-        default=4, description="Partitions of the jobs topic when the gateway creates it."
-    )
     stage_window: Annotated[int, Field(ge=1, le=100_000)] = Field(
         default=256, description="Progress reports per stage kept for latency percentiles."
     )

@@ -1,9 +1,9 @@
 """The gateway service: job API over the event-sourced view of ``conveyor.jobs``.
 
-Lifecycle (``run``): create the jobs topic if missing, start the producer, replay the topic
-into the view (``/readyz`` turns 200 once caught up), then keep tailing. Writes (submit,
-cancel) publish a :class:`JobEvent`, wait for the broker's ack, then wait until the tail has
-applied that very record, so a client reads its own writes from any endpoint.
+Lifecycle (``run``): wait for the jobs topic (the sharder creates it), start the producer, replay
+the topic into the view (``/readyz`` turns 200 once caught up), then keep tailing. Writes (submit,
+cancel) publish a :class:`JobEvent`, wait for the broker's ack, then wait until the tail has applied
+that very record, so a client reads its own writes from any endpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from conveyor.platform.bus import BusError, Producer, TopicSpec, ensure_topics
+from conveyor.platform.bus import BusError, Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.messages import CancelRequested, JobEvent, JobSubmitted, Topics
 from conveyor.platform.service import Service
@@ -48,8 +48,8 @@ def job_id_for(idempotency_key: str | None) -> str:
 class GatewayService(Service):
     """Serves ``/v1/jobs...`` next to the base's ``/healthz``, ``/readyz`` and ``/metrics``.
 
-    The HTTP address is ``settings.http_address(telemetry)``. Not ready until the view has
-    replayed the jobs topic up to the end offsets seen at start.
+    The HTTP address is ``settings.http_address(telemetry)``. Not ready until the jobs topic
+    exists and the view has replayed it up to the end offsets seen at start.
     """
 
     name = "gateway"
@@ -77,9 +77,7 @@ class GatewayService(Service):
     # -- lifecycle --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await ensure_topics(
-            self.kafka, [TopicSpec(self.topics.jobs, partitions=self.settings.jobs_partitions)]
-        )
+        await wait_for_topics(self.kafka, [self.topics.jobs])
         async with Producer(self.kafka) as producer:
             tail = JobsTail(self.kafka, self.topics.jobs, self.view, self.hub)
             await tail.start()

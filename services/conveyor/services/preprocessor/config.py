@@ -10,13 +10,6 @@ from pydantic_settings import SettingsConfigDict
 from conveyor.platform.config import _FileAwareSettings
 
 
-def group_id(topic_prefix: str) -> str:
-    """Consumer group of the preprocessor pool on the shards topic: ``conveyor-preprocessors``
-    under the default prefix ``conveyor.``, so that stacks sharing a cluster under different
-    prefixes never share a group."""
-    return f"{topic_prefix.rstrip('.') or 'conveyor'}-preprocessors"
-
-
 class PreprocessorSettings(_FileAwareSettings):
     """How many shard tasks one preprocessor works on and how it treats datasets."""
 
@@ -48,10 +41,4 @@ class PreprocessorSettings(_FileAwareSettings):
     )
     busy_window_s: Annotated[float, Field(gt=0, le=3600)] = Field(
         default=10.0, description="Window of the busy-ratio gauge (seconds)."
-    )
-    shards_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
-        default=8, description="Partitions of the shards topic when the preprocessor creates it."
-    )
-    jobs_partitions: Annotated[int, Field(ge=1, le=1024)] = Field(
-        default=4, description="Partitions of the jobs topic when the preprocessor creates it."
     )

@@ -1,6 +1,7 @@
 """The preprocessor: turns shard tasks into ready batches on the job's batches topic.
 
-Consumes ``Topics.shards`` in group ``conveyor-preprocessors`` (``concurrency`` tasks at once).
+Waits for the shards and jobs topics (the sharder creates them; not ready until then), then
+consumes ``Topics.shards`` in group ``conveyor-preprocessors`` (``concurrency`` tasks at once).
 Per task, inside a CONSUMER span ``process <shards topic>`` that continues the task's trace:
 
 1. the job's batches topic must exist, else the job ended: the task is dropped (acked);
@@ -38,16 +39,16 @@ from conveyor.platform.bus import (
     Received,
     RecordTooLarge,
     TopicAdmin,
-    TopicSpec,
-    ensure_topics,
     process_span,
+    wait_for_topics,
 )
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.platform.messages import Batch, JobFailed, ShardTask, Topics
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge, histogram
-from conveyor.services.preprocessor.config import PreprocessorSettings, group_id
-from conveyor.services.preprocessor.runtime import BusyMeter, DatasetCache
+from conveyor.services.preprocessor.busy_meter import BusyMeter
+from conveyor.services.preprocessor.config import PreprocessorSettings
+from conveyor.services.preprocessor.dataset_cache import DatasetCache
 from conveyor.services.preprocessor.work import augmenter_for, make_batches, read_shard
 from conveyor.training.datasets import DatasetError
 from conveyor.training.routing import choose_partition
@@ -76,7 +77,7 @@ class PreprocessorService(Service):
         self.settings = settings
         self.kafka = kafka
         self.topics = Topics(kafka.topic_prefix)
-        self.group_id = group_id(kafka.topic_prefix)
+        self.group_id = self.topics.preprocessor_group
         self.datasets = DatasetCache(
             storage=storage,
             size=settings.dataset_cache_size,
@@ -109,13 +110,7 @@ class PreprocessorService(Service):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await ensure_topics(
-            self.kafka,
-            [
-                TopicSpec(self.topics.jobs, partitions=self.settings.jobs_partitions),
-                TopicSpec(self.topics.shards, partitions=self.settings.shards_partitions),
-            ],
-        )
+        await wait_for_topics(self.kafka, [self.topics.shards, self.topics.jobs])
         async with (
             Producer(self.kafka) as producer,
             TopicAdmin(self.kafka) as admin,

@@ -1,7 +1,10 @@
 """The sharder: plans submitted jobs and releases their shard tasks with flow control.
 
-One loop (``run``) reads ``Topics.jobs`` in group ``conveyor-sharder`` (a job's partition
-picks its sharder; a rebalance is failover) and folds every event into the
+The sharder owns the topology: on start it creates the global topics (jobs, shards, dead
+letters; :func:`~conveyor.platform.bus.create_topology`) and it creates and deletes every job's
+topics; the other services only wait for them. One loop (``run``) reads ``Topics.jobs`` in group
+``conveyor-sharder`` (a job's partition picks its sharder; a rebalance is failover) and folds
+every event into the
 :class:`~.jobs.JobTable`. Whenever it has caught up with the log (consumer lag 0) or
 ``tick_s`` passed, it acts on every job, idempotently:
 
@@ -37,11 +40,15 @@ from conveyor.platform.bus import (
     ConsumerStopped,
     Producer,
     TopicAdmin,
-    TopicSpec,
-    ensure_topics,
+    create_topology,
     process_span,
 )
-from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
 from conveyor.platform.messages import (
     JobCancelled,
     JobEvent,
@@ -52,7 +59,7 @@ from conveyor.platform.messages import (
 )
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge
-from conveyor.services.sharder.config import SharderSettings, group_id
+from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.services.sharder.jobs import JobRecord, JobTable
 from conveyor.training.datasets import Dataset, DatasetError, open_dataset
@@ -79,16 +86,18 @@ class SharderService(Service):
         self,
         *,
         settings: SharderSettings,
+        topology: TopologySettings,
         kafka: KafkaSettings,
         storage: StorageSettings,
         telemetry: TelemetrySettings,
     ) -> None:
         super().__init__(telemetry=telemetry)
         self.settings = settings
+        self.topology = topology
         self.kafka = kafka
         self.storage = storage
         self.topics = Topics(kafka.topic_prefix)
-        self.group_id = group_id(kafka.topic_prefix)
+        self.group_id = self.topics.sharder_group
         self.table = JobTable(self.topics)
         self._tracer = trace.get_tracer(__name__)
         self._producer: Producer | None = None
@@ -115,13 +124,7 @@ class SharderService(Service):
     # -- main loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await ensure_topics(
-            self.kafka,
-            [
-                TopicSpec(self.topics.jobs, partitions=self.settings.jobs_partitions),
-                TopicSpec(self.topics.shards, partitions=self.settings.shards_partitions),
-            ],
-        )
+        await create_topology(self.kafka, self.topology)
         async with (
             Producer(self.kafka) as producer,
             TopicAdmin(self.kafka) as admin,
@@ -289,19 +292,18 @@ class SharderService(Service):
 
     def _batches_partitions(self, job: JobRecord) -> int:
         assert job.spec is not None
-        return self.settings.batches_partitions(job.spec.distribution.trainers)
+        return self.topology.batches_partitions(job.spec.distribution.trainers)
 
     async def _create_job_topics(self, job: JobRecord) -> None:
         assert self._admin is not None
         assert job.spec is not None
-        # One partition of grads and params per parameter slice (aggregator shard).
-        slices = job.spec.distribution.aggregator_shards
-        await self._admin.create_topics([
-            TopicSpec(self.topics.batches(job.job_id), partitions=self._batches_partitions(job)),
-            TopicSpec(self.topics.control(job.job_id), partitions=1),
-            TopicSpec(self.topics.grads(job.job_id), partitions=slices),
-            TopicSpec(self.topics.params(job.job_id), partitions=slices),
-        ])  # fmt: skip
+        await self._admin.create_topics(
+            self.topics.job_topic_specs(
+                job.job_id,
+                batches_partitions=self._batches_partitions(job),
+                slices=job.spec.distribution.aggregator_shards,
+            )
+        )
 
     # -- releasing -------------------------------------------------------------------------
 

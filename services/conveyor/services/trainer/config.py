@@ -17,13 +17,6 @@ from pydantic_settings import SettingsConfigDict
 from conveyor.platform.config import _FileAwareSettings
 
 
-def group_id(topic_prefix: str, job_id: str) -> str:
-    """Consumer group of a job's trainers on its batches topic (``conveyor-trainer.<job_id>``
-    under the default prefix), so that stacks sharing a cluster under different prefixes
-    never share a group."""
-    return f"{topic_prefix.rstrip('.') or 'conveyor'}-trainer.{job_id}"
-
-
 def _default_worker_id() -> str:
     return f"trainer-{socket.gethostname()}-{os.getpid()}"
 

@@ -69,11 +69,11 @@ async def fetch_version(
     """The fp32 [N] parameters of ``version`` read back from the params topic's history, or
     None when some slice of it is no longer there.
 
-    A shard publishes its versions in increasing order, so within a partition versions mostly
-    grow with offsets: a binary search finds the record (the first guess, offset == version,
-    is exact when the partition holds every version from 0 once). Around a change of owner
-    two shards may both publish for a while; when the search misses, the partition is read
-    from its beginning.
+    A slice's owner publishes its versions in increasing order, so within a partition versions
+    mostly grow with offsets: a binary search finds the record (the first guess, offset ==
+    version, is exact when the partition holds every version from 0 once). Around a change of
+    owner two owners may both publish for a while; when the search misses, the partition is
+    read from its beginning.
     """
     parts: list[torch.Tensor] = []
     async with TopicTail(settings, topic) as tail:

@@ -17,7 +17,8 @@ What the control log says drives everything else (:meth:`JobRunner._on_control`)
 acknowledges the batches it lists and decides this trainer's contributions; a Rejection sends
 the batches back to be recomputed on newer parameters; an epoch that ended releases the held
 batches of the next one and its eval batches. The trainer keeps no training state: the
-aggregator shards hold parameters and optimizer state, the control log holds what is applied.
+aggregators' slice owners hold parameters and optimizer state, the control log holds what is
+applied.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import EvalResult, ParamSlice, StepClose, TrainerJoined
 from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
 from conveyor.services.trainer.compute import MicroResult
-from conveyor.services.trainer.config import TrainerSettings, group_id
+from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.control import Applied, ControlState, Outcome
 from conveyor.services.trainer.figures import Figures
 from conveyor.services.trainer.gradients import EncodedGrad
@@ -151,7 +152,7 @@ class JobRunner:
             async with Consumer(
                 kafka,
                 [session.plan.batches_topic],
-                group_id=group_id(kafka.topic_prefix, session.job_id),
+                group_id=session.topics.trainer_group(session.job_id),
                 max_in_flight=session.max_in_flight,
                 dead_letter_producer=self._producer,
             ) as consumer:
@@ -168,7 +169,7 @@ class JobRunner:
             DeviceCopier(self.session.device),
             job_id=self.session.job_id,
             depth=self.settings.prefetch_batches,
-            consumer_group=group_id(self._kafka.topic_prefix, self.session.job_id),
+            consumer_group=self.session.topics.trainer_group(self.session.job_id),
             reject=self._reject,
             executor=self._copy_executor,
         )

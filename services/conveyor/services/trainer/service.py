@@ -1,13 +1,13 @@
 """The trainer service: host one job at a time (the oldest servable one) and train it.
 
-The job host (:class:`~conveyor.training.jobhost.JobHostService`) replays the jobs topic
-(``/readyz`` turns 200 once caught up), takes the oldest planned or running job, and decides
-what the end of the work means: a job that cannot be built or trained is ``failed``; a cancel
-request makes the trainer leave the job (its acknowledged batches committed, the rest
-redelivered) and publish ``cancelled``; a retriable broker failure rejoins the job after a
-backoff (nothing is lost: the trainer holds no training state); any other error crashes the
-process so that its supervisor restarts it. A stop (SIGTERM) leaves the job (a ``leaving``
-heartbeat tells the coordinator).
+The job host (:class:`~conveyor.training.jobhost.JobHostService`) waits for the jobs topic (the
+sharder creates it), replays it (``/readyz`` turns 200 once caught up), takes the oldest planned
+or running job, and decides what the end of the work means: a job that cannot be built or
+trained is ``failed``; a cancel request makes the trainer leave the job (its acknowledged
+batches committed, the rest redelivered) and publish ``cancelled``; a retriable broker failure
+rejoins the job after a backoff (nothing is lost: the trainer holds no training state); any
+other error crashes the process so that its supervisor restarts it. A stop (SIGTERM) leaves the
+job (a ``leaving`` heartbeat tells the coordinator).
 """
 
 from __future__ import annotations

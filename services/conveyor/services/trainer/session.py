@@ -37,7 +37,7 @@ class JobSession:
     """The trainer's working copy; its parameters are overwritten by every version loaded."""
     layout: ParamLayout
     bounds: list[tuple[int, int]]
-    """Slice p of the flat parameters/gradients = ``[start, stop)`` (K = aggregator shards)."""
+    """Slice p of the flat parameters/gradients = ``[start, stop)`` (K slices)."""
     engine: Engine
     max_in_flight: int
     """Unacknowledged batches the consumer may hold (see :func:`max_in_flight`)."""

@@ -3,14 +3,14 @@
 Three tasks share the job's state::
 
     control: tail the control topic from the beginning -> Coordinator.fold (every process)
-    grads:   group member on the grads topic -> GradSlices into the shard of their partition
+    grads:   group member on the grads topic -> GradSlices to the owner of their partition's slice
              (resting while the control log announces no slice it lacks: see .demand)
     engine:  on every arrival or tick_s:
-               follow the assignment: open a shard per new partition (from the last
+               follow the assignment: open a SliceOwner per new partition (from the last
                  ParamSlice of that partition, or version 0 published by us), drop lost ones
-               advance each shard: apply the next StepClose once its slices are held,
+               advance each owner: apply the next StepClose once its slices are held,
                  publish the ParamSlice, acknowledge the GradSlices it consumed
-               owner of partition 0 and caught up with the control log: Leader.act()
+               this process owns partition 0 and caught up with the control log: Leader.act()
 
 GradSlice records are acknowledged (committed) only once the ParamSlice of the version that
 applied them is acknowledged by the broker, or when no future version can apply them; so the
@@ -42,14 +42,14 @@ from conveyor.platform.bus import (
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import GradSlice, ParamSlice, StepClose, Topics
 from conveyor.platform.storage import ObjectStore
-from conveyor.services.aggregator.config import AggregatorSettings, group_id
+from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
 from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.params import last_param_slices
-from conveyor.services.aggregator.shard import SliceShard
+from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.compression import CompressionError
 from conveyor.training.jobhost import JobFailure
 from conveyor.training.optim import aggregator_optimizer
@@ -105,7 +105,8 @@ class JobAggregator:
             metrics=metrics,
             reported=reported,
         )
-        self.shards: dict[int, SliceShard[Received]] = {}
+        self.owners: dict[int, SliceOwner[Received]] = {}
+        """The slices this process owns now (its grads partitions), by slice index."""
         self._early: dict[int, list[Received]] = {}
         self._wake = asyncio.Event()
         self._drained_at = -1.0
@@ -123,7 +124,7 @@ class JobAggregator:
     @property
     def coordinating(self) -> bool:
         """Whether this process owns partition 0 of the grads topic now."""
-        return 0 in self.shards
+        return 0 in self.owners
 
     async def run(self) -> None:
         plane = self.kafka.for_gradient_plane()  # every step waits on these two readers
@@ -132,7 +133,7 @@ class JobAggregator:
             Consumer(
                 plane,
                 [self._grads_topic],
-                group_id=group_id(self.kafka.topic_prefix, self.ctx.job_id),
+                group_id=self.topics.aggregator_group(self.ctx.job_id),
                 max_in_flight=self.settings.max_held_slices,
                 dead_letter_producer=self.producer,
             ) as grads,
@@ -148,7 +149,7 @@ class JobAggregator:
                 raise group.exceptions[0] from None
             finally:
                 await self.leader.stop()
-                self.shards.clear()
+                self.owners.clear()
 
     # -- readers -----------------------------------------------------------------------------
 
@@ -185,19 +186,19 @@ class JobAggregator:
                            type(grad).__name__, received.topic)  # fmt: skip
             grads.ack(received)
             return
-        shard = self.shards.get(received.partition)
-        if shard is None:  # the shard is being opened
+        owner = self.owners.get(received.partition)
+        if owner is None:  # the slice is being opened
             self._early.setdefault(received.partition, []).append(received)
             return
         self.metrics.grad_bytes.inc(_payload_bytes(grad))
         applied = self.coordinator.applied_version(grad.contribution_id)
-        if (applied is not None and applied <= shard.version) or (
-            grad.base_version < shard.version - self.coordinator.staleness_bound
+        if (applied is not None and applied <= owner.version) or (
+            grad.base_version < owner.version - self.coordinator.staleness_bound
         ):
             grads.ack(received)  # its effect is published already, or it can never apply
             return
         try:
-            shard.add(grad, received)
+            owner.add(grad, received)
         except ValueError as exc:
             logger.error("job %s: dropping a GradSlice: %s", self.ctx.job_id, exc)
             grads.ack(received)
@@ -212,18 +213,18 @@ class JobAggregator:
             self._wake.clear()
             self._engine_doing = "following the assignment"
             await self._follow_assignment(grads)
-            for shard in list(self.shards.values()):
-                await self._advance(shard, grads)
+            for owner in list(self.owners.values()):
+                await self._advance(owner, grads)
             if self._may_lead(control):
                 self._engine_doing = "coordinating"
                 if await self.leader.act(control):
-                    self._wake.set()  # a StepClose folded at once: the shards may apply it
+                    self._wake.set()  # a StepClose folded at once: the owners may apply it
             grads.rest(not self._grads_wanted(grads))
-            self.metrics.held_slices.set(sum(s.buffered for s in self.shards.values()))
+            self.metrics.held_slices.set(sum(s.buffered for s in self.owners.values()))
 
     def _grads_wanted(self, grads: Consumer) -> bool:
         owned = {tp.partition for tp in grads.assignment() if tp.topic == self._grads_topic}
-        return grads_wanted(self.coordinator, self.shards, owned=owned, opening=bool(self._early))
+        return grads_wanted(self.coordinator, self.owners, owned=owned, opening=bool(self._early))
 
     async def _watch(self, control: TopicTail, grads: Consumer) -> None:
         while True:
@@ -237,10 +238,10 @@ class JobAggregator:
         now = time.monotonic()
         control_at, control_end = control.position(0), control.highwater(0)
         control_behind = None not in (control_at, control_end) and control_end > control_at  # type: ignore[operator]
-        for index, shard in self.shards.items():
+        for index, owner in self.owners.items():
             version, since = self._unchanged_since.get(index, (-1, now))
-            if shard.version != version:
-                self._unchanged_since[index] = (shard.version, now)
+            if owner.version != version:
+                self._unchanged_since[index] = (owner.version, now)
                 continue
             close = self.coordinator.closes.get(version + 1)
             if (close is None and not control_behind) or now - since < _STALL_WARN_S:
@@ -253,7 +254,7 @@ class JobAggregator:
                 "%d records unacked, paused %s, resting %s; control position %s, high-water %s; "
                 "engine: %s",
                 self.ctx.job_id, index, version, now - since, close is not None,
-                shard.missing(close) if close is not None else "-", index, position, highwater,
+                owner.missing(close) if close is not None else "-", index, position, highwater,
                 grads.in_flight, grads.paused, grads.resting, control_at, control_end,
                 self._engine_doing,
             )  # fmt: skip
@@ -271,15 +272,15 @@ class JobAggregator:
 
     async def _follow_assignment(self, grads: Consumer) -> None:
         assigned = {tp.partition for tp in grads.assignment() if tp.topic == self._grads_topic}
-        for index in [p for p in self.shards if p not in assigned]:
+        for index in [p for p in self.owners if p not in assigned]:
             logger.info("job %s: slice %d moved to another aggregator", self.ctx.job_id, index)
-            del self.shards[index]
+            del self.owners[index]
         for index in [p for p in self._early if p not in assigned]:
             del self._early[index]
-        for index in sorted(assigned - set(self.shards)):
-            await self._open_shard(index, grads)
+        for index in sorted(assigned - set(self.owners)):
+            await self._open_slice(index, grads)
 
-    async def _open_shard(self, index: int, grads: Consumer) -> None:
+    async def _open_slice(self, index: int, grads: Consumer) -> None:
         start, stop = self.ctx.bounds[index]
         last = (await last_param_slices(self.kafka, self._params_topic)).get(index)
         if last is not None:
@@ -290,8 +291,8 @@ class JobAggregator:
             values, version = self.ctx.initial[start:stop], 0
             await self._publish(index, version, values.clone())
         # In a thread: building the first torch optimizer of a process imports for seconds.
-        self.shards[index] = await asyncio.to_thread(
-            SliceShard[Received],
+        self.owners[index] = await asyncio.to_thread(
+            SliceOwner[Received],
             slice_index=index,
             values=values,
             version=version,
@@ -301,35 +302,35 @@ class JobAggregator:
         for received in self._early.pop(index, []):
             self._on_grad(received, grads)
 
-    async def _advance(self, shard: SliceShard[Received], grads: Consumer) -> None:
-        """Apply every StepClose the shard can apply now, in version order."""
-        while self.shards.get(shard.slice_index) is shard:
-            close = self.coordinator.closes.get(shard.version + 1)
-            if close is None or shard.missing(close):
+    async def _advance(self, owner: SliceOwner[Received], grads: Consumer) -> None:
+        """Apply every StepClose the owner can apply now, in version order."""
+        while self.owners.get(owner.slice_index) is owner:
+            close = self.coordinator.closes.get(owner.version + 1)
+            if close is None or owner.missing(close):
                 return
             started = time.monotonic()
-            slices, records = shard.take(close)
+            slices, records = owner.take(close)
             links = _links(records)
             with self._tracer.start_as_current_span(
                 "aggregate",
                 links=links,
                 attributes={
                     "conveyor.job_id": self.ctx.job_id,
-                    "conveyor.slice": shard.slice_index,
+                    "conveyor.slice": owner.slice_index,
                     "conveyor.version": close.version,
                     "conveyor.num_samples": close.num_samples,
                     "conveyor.contributions": len(close.contributions),
                 },
             ):
                 self._engine_doing = (
-                    f"applying version {close.version} to slice {shard.slice_index}"
+                    f"applying version {close.version} to slice {owner.slice_index}"
                 )
-                values = await asyncio.to_thread(_step, shard, close, slices)
-                self._engine_doing = f"publishing ParamSlice {shard.slice_index} v{close.version}"
-                await self._publish(shard.slice_index, close.version, values)
+                values = await asyncio.to_thread(_step, owner, close, slices)
+                self._engine_doing = f"publishing ParamSlice {owner.slice_index} v{close.version}"
+                await self._publish(owner.slice_index, close.version, values)
             for received in records:
                 grads.ack(received)
-            for received in shard.drop_dead(self.coordinator.staleness_bound):
+            for received in owner.drop_dead(self.coordinator.staleness_bound):
                 grads.ack(received)
             self.metrics.steps.inc()
             self.metrics.step_seconds.observe(time.monotonic() - started)
@@ -345,12 +346,12 @@ class JobAggregator:
         await self.producer.publish(self._params_topic, message, key=str(index), partition=index)
 
 
-def _step(shard: SliceShard[Received], close: StepClose, slices: list[GradSlice]) -> torch.Tensor:
+def _step(owner: SliceOwner[Received], close: StepClose, slices: list[GradSlice]) -> torch.Tensor:
     try:
-        shard.step(close, slices)
+        owner.step(close, slices)
     except CompressionError as exc:
-        raise JobFailure(f"version {close.version}, slice {shard.slice_index}: {exc}") from exc
-    return shard.values.clone()
+        raise JobFailure(f"version {close.version}, slice {owner.slice_index}: {exc}") from exc
+    return owner.values.clone()
 
 
 def _links(records: list[Received]) -> list[Link]:

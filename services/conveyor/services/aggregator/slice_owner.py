@@ -1,10 +1,13 @@
-"""One aggregator shard's slice of a job: parameters, optimizer state, buffered gradients.
+"""What an aggregator process holds for a slice of a job it owns: the slice's parameters,
+optimizer state and buffered gradients.
 
-Pure torch, no I/O. The owner of grads partition p keeps a :class:`SliceShard`: GradSlices of
-partition p wait in the buffer by contribution id (with the records that carried them, opaque
-here, acknowledged by the caller once the effect is durable); StepCloses are applied strictly
-in version order, each once the slices of all its non-empty contributions are held
-(an empty contribution, ``num_samples == 0``, sends no GradSlice).
+A slice is a 1/K part of the job's flat parameters (:mod:`conveyor.training.slicing`); slice p
+is partition p of the job's grads and params topics, and the aggregator process assigned that
+grads partition owns the slice and keeps its :class:`SliceOwner` (pure torch, no I/O):
+GradSlices of partition p wait in the buffer by contribution id (with the records that carried
+them, opaque here, acknowledged by the caller once the effect is durable); StepCloses are
+applied strictly in version order, each once the slices of all its non-empty contributions are
+held (an empty contribution, ``num_samples == 0``, sends no GradSlice).
 
 The step: ``grad = sum(decoded slices of the step's contributions) / StepClose.num_samples``,
 then one optimizer step at ``StepClose.lr`` (and ``StepClose.momentum`` when set); a step
@@ -37,7 +40,7 @@ class Buffered(Generic[R]):
     records: list[R] = field(default_factory=list)
 
 
-class SliceShard(Generic[R]):
+class SliceOwner(Generic[R]):
     """Slice ``slice_index`` of a job, at ``version``; see the module docstring."""
 
     def __init__(
@@ -66,12 +69,12 @@ class SliceShard(Generic[R]):
         return len(self._buffer)
 
     def add(self, grad: GradSlice, record: R) -> None:
-        """Hold ``grad`` (arrived in ``record``). ValueError when it is not a slice of this
-        shard (index or size): the caller logs and drops it."""
+        """Hold ``grad`` (arrived in ``record``). ValueError when it is not this slice (index
+        or size): the caller logs and drops it."""
         if grad.slice_index != self.slice_index or grad.numel != self.numel:
             raise ValueError(
                 f"GradSlice {grad.contribution_id} is slice {grad.slice_index} of {grad.numel} "
-                f"elements; this shard is slice {self.slice_index} of {self.numel}"
+                f"elements; this owner holds slice {self.slice_index} of {self.numel}"
             )
         held = self._buffer.get(grad.contribution_id)
         if held is None:

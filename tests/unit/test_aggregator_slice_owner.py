@@ -1,4 +1,4 @@
-"""A shard's slice: buffering by contribution, applying StepCloses in order, dropping the dead."""
+"""A slice owner: buffering by contribution, applying StepCloses in order, dropping the dead."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conveyor.platform.messages import GradSlice, StepClose
-from conveyor.services.aggregator.shard import SliceShard
+from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.compression import encode_slice
 from conveyor.training.jobspec import OptimizerSpec
 
@@ -29,41 +29,41 @@ def close(version: int, entries: list[tuple[str, int]], lr: float = 0.5) -> Step
 
 
 def test_applies_the_mean_gradient_once_all_slices_are_held() -> None:
-    shard: SliceShard[str] = SliceShard(slice_index=1, values=torch.ones(4), version=0,
+    owner: SliceOwner[str] = SliceOwner(slice_index=1, values=torch.ones(4), version=0,
                                         optimizer=SGD)  # fmt: skip
-    shard.add(grad_slice("a:0", 0, torch.tensor([1.0, 2.0, 3.0, 4.0])), "rec-a")
+    owner.add(grad_slice("a:0", 0, torch.tensor([1.0, 2.0, 3.0, 4.0])), "rec-a")
     step = close(1, [("a:0", 2), ("b:0", 2), ("c:0", 0)])  # c is empty: no slice
-    assert shard.missing(step) == ["b:0"]
-    shard.add(grad_slice("b:0", 0, torch.tensor([0.0, 0.0, 8.0, -4.0]), "topk"), "rec-b")
-    shard.add(grad_slice("b:0", 0, torch.tensor([0.0, 0.0, 8.0, -4.0]), "topk"), "rec-b2")
-    assert shard.missing(step) == [] and shard.buffered == 2
+    assert owner.missing(step) == ["b:0"]
+    owner.add(grad_slice("b:0", 0, torch.tensor([0.0, 0.0, 8.0, -4.0]), "topk"), "rec-b")
+    owner.add(grad_slice("b:0", 0, torch.tensor([0.0, 0.0, 8.0, -4.0]), "topk"), "rec-b2")
+    assert owner.missing(step) == [] and owner.buffered == 2
     with pytest.raises(ValueError):
-        shard.apply(close(2, []))  # not the next version
-    records = shard.apply(step)
+        owner.apply(close(2, []))  # not the next version
+    records = owner.apply(step)
     assert records == ["rec-a", "rec-b", "rec-b2"]  # duplicates are acknowledged too
     # sum = [1, 2, 11, 0] over 4 samples, lr 0.5
     expected = torch.ones(4) - 0.5 * torch.tensor([1.0, 2.0, 11.0, 0.0]) / 4
-    torch.testing.assert_close(shard.values, expected)
-    assert shard.version == 1 and shard.buffered == 0
+    torch.testing.assert_close(owner.values, expected)
+    assert owner.version == 1 and owner.buffered == 0
 
 
 def test_an_empty_step_changes_nothing_but_the_version() -> None:
-    shard: SliceShard[str] = SliceShard(slice_index=1, values=torch.ones(4), version=3,
+    owner: SliceOwner[str] = SliceOwner(slice_index=1, values=torch.ones(4), version=3,
                                         optimizer=SGD)  # fmt: skip
-    assert shard.apply(close(4, [("a:0", 0)])) == []
-    assert shard.version == 4 and torch.equal(shard.values, torch.ones(4))
+    assert owner.apply(close(4, [("a:0", 0)])) == []
+    assert owner.version == 4 and torch.equal(owner.values, torch.ones(4))
 
 
 def test_dead_slices_are_dropped_and_wrong_slices_refused() -> None:
-    shard: SliceShard[str] = SliceShard(slice_index=1, values=torch.zeros(4), version=5,
+    owner: SliceOwner[str] = SliceOwner(slice_index=1, values=torch.zeros(4), version=5,
                                         optimizer=SGD)  # fmt: skip
-    shard.add(grad_slice("a:0", 2, torch.ones(4)), "old")
-    shard.add(grad_slice("a:1", 3, torch.ones(4)), "within")
-    shard.add(grad_slice("a:2", 5, torch.ones(4)), "current")
-    assert shard.drop_dead(staleness_bound=2) == ["old"]  # base 2 < 5 - 2
-    assert shard.drop_dead(staleness_bound=0) == ["within"]
-    assert shard.buffered == 1
+    owner.add(grad_slice("a:0", 2, torch.ones(4)), "old")
+    owner.add(grad_slice("a:1", 3, torch.ones(4)), "within")
+    owner.add(grad_slice("a:2", 5, torch.ones(4)), "current")
+    assert owner.drop_dead(staleness_bound=2) == ["old"]  # base 2 < 5 - 2
+    assert owner.drop_dead(staleness_bound=0) == ["within"]
+    assert owner.buffered == 1
     other = grad_slice("b:0", 5, torch.ones(4))
     other.slice_index = 0
-    with pytest.raises(ValueError, match="this shard is slice 1"):
-        shard.add(other, "x")
+    with pytest.raises(ValueError, match="this owner holds slice 1"):
+        owner.add(other, "x")
