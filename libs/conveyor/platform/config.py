@@ -9,6 +9,7 @@ defaults. Services build their own settings class from these parts in their
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,6 +24,19 @@ from pydantic_settings import (
 MiB = 1024 * 1024
 
 CONFIG_FILE_ENV = "CONVEYOR_CONFIG"
+
+
+def worker_id_field(role: str) -> Any:
+    """The ``worker_id`` setting of a process that publishes as itself (trainer, aggregator):
+    its id in logs, events and heartbeats, by default ``<role>-<host>-<pid>``."""
+    return Field(
+        default_factory=lambda: f"{role}-{socket.gethostname()}-{os.getpid()}",
+        min_length=1,
+        max_length=128,
+        description=(
+            f"Id of this process in logs, events and heartbeats; default {role}-<host>-<pid>."
+        ),
+    )
 
 
 class _FileAwareSettings(BaseSettings):

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from conveyor.platform.config import _FileAwareSettings
-
-
-def _default_worker_id() -> str:
-    return f"aggregator-{socket.gethostname()}-{os.getpid()}"
+from conveyor.platform.config import _FileAwareSettings, worker_id_field
 
 
 class AggregatorSettings(_FileAwareSettings):
@@ -23,12 +17,7 @@ class AggregatorSettings(_FileAwareSettings):
         env_prefix="CONVEYOR_AGGREGATOR_", frozen=True, extra="forbid"
     )
 
-    worker_id: str = Field(
-        default_factory=_default_worker_id,
-        min_length=1,
-        max_length=128,
-        description="Id of this process in logs and events; default aggregator-<host>-<pid>.",
-    )
+    worker_id: str = worker_id_field("aggregator")
     member_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
         default=10.0,
         description=(

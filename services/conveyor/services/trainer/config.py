@@ -7,18 +7,12 @@ and the waits of the gradient-plane protocol.
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from conveyor.platform.config import _FileAwareSettings
-
-
-def _default_worker_id() -> str:
-    return f"trainer-{socket.gethostname()}-{os.getpid()}"
+from conveyor.platform.config import _FileAwareSettings, worker_id_field
 
 
 class TrainerSettings(_FileAwareSettings):
@@ -26,12 +20,7 @@ class TrainerSettings(_FileAwareSettings):
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_TRAINER_", frozen=True, extra="forbid")
 
-    worker_id: str = Field(
-        default_factory=_default_worker_id,
-        min_length=1,
-        max_length=128,
-        description="Id of this trainer in events and heartbeats; default trainer-<host>-<pid>.",
-    )
+    worker_id: str = worker_id_field("trainer")
     prefetch_batches: Annotated[int, Field(ge=1, le=1024)] = Field(
         default=4,
         description="Batches copied to the device ahead of the step loop (the prefetch depth).",
