@@ -253,7 +253,7 @@ class PlaneWatcher(JobWatcher):
         if isinstance(message, Heartbeat) and message.role == "trainer":
             self.heartbeats.append((message.at, message.info))
         elif isinstance(message, StepClose):
-            ids = [str(c.get("contribution_id")) for c in message.contributions]
+            ids = [c.contribution_id for c in message.contributions]
             self.closes.append((message.version, message.closed_at, message.num_samples, ids))
             self.last_activity = time.monotonic()
         elif isinstance(message, Contribution):

@@ -269,8 +269,8 @@ class Peer:
             if close.num_samples > 0:
                 total = torch.zeros(layout.numel)
                 for entry in close.contributions:
-                    if entry["num_samples"] > 0:
-                        total += self.sent[entry["contribution_id"]]
+                    if entry.num_samples > 0:
+                        total += self.sent[entry.contribution_id]
                 grad = total / close.num_samples
                 for e, param in zip(layout.entries, model.parameters(), strict=True):
                     param.grad = grad[e.offset : e.offset + e.numel].view(e.shape).clone()

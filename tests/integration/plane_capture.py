@@ -88,9 +88,9 @@ def capture_complete(run: Run) -> bool:
         and all((p, v) in run.params for v in versions for p in range(run.num_slices))
         and all(b in run.batches for close in run.closes.values() for b in close.batch_ids)
         and all(
-            (entry["contribution_id"], p) in run.grads
+            (entry.contribution_id, p) in run.grads
             for entry in run.applied()
-            if entry["num_samples"] > 0
+            if entry.num_samples > 0
             for p in range(run.num_slices)
         )
     )

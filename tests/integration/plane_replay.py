@@ -78,11 +78,11 @@ def replay(
             step_grad = torch.zeros_like(versions[0])  # [N]
             batch_ids: list[str] = []
             for entry in close.contributions:
-                contribution = run.contributions[entry["contribution_id"]]
+                contribution = run.contributions[entry.contribution_id]
                 grad, samples = replica.gradient(
-                    versions[entry["base_version"]], contribution.batch_ids
+                    versions[entry.base_version], contribution.batch_ids
                 )
-                assert samples == contribution.num_samples == entry["num_samples"]
+                assert samples == contribution.num_samples == entry.num_samples
                 if samples:
                     step_grad += grad
                 batch_ids += contribution.batch_ids
@@ -136,11 +136,11 @@ def explain(run: Run, version: int) -> str:
     lines = [f"version {version}: {close}"]
     replica = Replica(run)
     for entry in close.contributions:
-        if entry["num_samples"] == 0:
+        if entry.num_samples == 0:
             continue
-        cid = entry["contribution_id"]
+        cid = entry.contribution_id
         contribution = run.contributions[cid]
-        local, _ = replica.gradient(run.flat_params(entry["base_version"]), contribution.batch_ids)
+        local, _ = replica.gradient(run.flat_params(entry.base_version), contribution.batch_ids)
         sent = torch.cat([run.grads[(cid, p)].values for p in range(run.num_slices)])
         lines.append(
             f"  {cid} base {entry['base_version']} batches {contribution.batch_ids}: "

@@ -142,7 +142,7 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     assert summary["steps"] == steps and summary["versions"] == len(peer.closes)
     assert summary["samples"] == epochs * peer.ctx.plan.num_train
     assert summary["epochs"] == epochs
-    staleness = [e["staleness"] for c in peer.closes.values() for e in c.contributions]
+    staleness = [e.staleness for c in peer.closes.values() for e in c.contributions]
     assert summary["max_staleness"] == max(staleness)
     store = open_store(f"file://{objects}")
     model = peer.ctx.build_model()
@@ -243,7 +243,7 @@ async def ssp_worker(peer: Peer, worker: str, queue: list[str], staleness: int) 
     """Compute on the newest params, at most ``staleness`` contributions unconfirmed."""
     outstanding: dict[str, list[str]] = {}
     applied = lambda cid: any(  # noqa: E731
-        e["contribution_id"] == cid for c in peer.closes.values() for e in c.contributions
+        e.contribution_id == cid for c in peer.closes.values() for e in c.contributions
     )
     per_epoch = peer.ctx.train_batches_per_epoch
     while peer.applied_in_epoch(0) < per_epoch:
@@ -282,7 +282,7 @@ async def test_ssp_topk_adam_single_process_matches_replay(
         await evaluating
         await peer.wait_for(lambda: bool(peer.event("completed")), 60)
     assert_matches_replay(peer)
-    staleness = [e["staleness"] for c in peer.closes.values() for e in c.contributions]
+    staleness = [e.staleness for c in peer.closes.values() for e in c.contributions]
     assert all(len(c.contributions) == 1 for c in peer.closes.values())
     assert max(staleness) <= 2 and max(staleness) >= 1
     for rejection in peer.rejections.values():

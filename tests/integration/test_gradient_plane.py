@@ -129,11 +129,11 @@ async def test_sync_training_equals_a_single_process_replay_of_its_step_closes(
     assert sorted(run.closes) == list(range(1, final + 1))
     assert final >= 20 and run.summary["steps"] >= 20, run.summary
     assert {close.lr for close in run.closes.values()} == {optimizer_spec["lr"]}
-    assert all(e["staleness"] == 0 for e in run.applied())  # sync
+    assert all(e.staleness == 0 for e in run.applied())  # sync
     both = [
         close
         for close in run.closes.values()
-        if {e["worker_id"] for e in close.contributions if e["num_samples"] > 0} == {"t-a", "t-b"}
+        if {e.worker_id for e in close.contributions if e.num_samples > 0} == {"t-a", "t-b"}
     ]
     assert len(both) >= final // 2, "the steps were not shared by both trainers"
     assert_exactly_once(plane.objects, run.job_id, run.spec)
@@ -148,7 +148,7 @@ async def test_bounded_staleness_applies_nothing_staler_than_the_bound(plane: Pl
     run = await plane.run("ssp", spec, slow={"t-a": SLOW_TRAINER_DELAY_S})
 
     applied = run.applied()
-    staleness = [int(entry["staleness"]) for entry in applied]
+    staleness = [int(entry.staleness) for entry in applied]
     assert staleness and max(staleness) <= STALENESS, staleness
     assert max(staleness) > 0, "no contribution was stale: the bound was never exercised"
     assert run.summary["max_staleness"] == max(staleness)
@@ -156,18 +156,18 @@ async def test_bounded_staleness_applies_nothing_staler_than_the_bound(plane: Pl
         assert len(close.contributions) == 1  # ssp: one contribution per version
         entry = close.contributions[0]
         # The recorded staleness is the distance from the version it was computed on.
-        assert entry["staleness"] == version - 1 - entry["base_version"]
-        contribution = run.contributions[entry["contribution_id"]]
-        assert contribution.base_version == entry["base_version"]
+        assert entry.staleness == version - 1 - entry.base_version
+        contribution = run.contributions[entry.contribution_id]
+        assert contribution.base_version == entry.base_version
         assert close.batch_ids == contribution.batch_ids
         # SGD momentum 0.9 damped by the gradient's staleness; a fresh one keeps the job's.
-        expected = 0.9 / (1 + entry["staleness"]) if entry["staleness"] else None
-        assert close.momentum == expected, (version, entry["staleness"], close.momentum)
-    assert {e["worker_id"] for e in applied if e["num_samples"] > 0} == {"t-a", "t-b"}
+        expected = 0.9 / (1 + entry.staleness) if entry.staleness else None
+        assert close.momentum == expected, (version, entry.staleness, close.momentum)
+    assert {e.worker_id for e in applied if e.num_samples > 0} == {"t-a", "t-b"}
     print(f"ssp staleness counts {Counter(staleness)}, {len(run.rejections)} rejections")
     # A rejected contribution is never applied; its batches were recomputed and applied once.
     rejected = {r.contribution_id for r in run.rejections}
-    assert not rejected & {e["contribution_id"] for e in applied}
+    assert not rejected & {e.contribution_id for e in applied}
     assert_exactly_once(plane.objects, run.job_id, run.spec)
     assert run.summary["epochs"] == 1
     # Each stale gradient was applied as computed: on the parameters of its base version,
@@ -189,8 +189,8 @@ def grad_bytes_by_contribution(run: Run, encoding: str) -> dict[str, int]:
     reported = {cid: c.grad_bytes for cid, c in run.contributions.items()}
     assert run.summary["grad_bytes_total"] == sum(reported.values())
     for entry in run.applied():
-        cid = entry["contribution_id"]
-        if entry["num_samples"] == 0:
+        cid = entry.contribution_id
+        if entry.num_samples == 0:
             assert reported[cid] == 0  # an empty contribution sends no slice
             continue
         slices = [run.grads[(cid, p)] for p in range(run.num_slices)]

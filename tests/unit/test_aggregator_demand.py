@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.platform.messages import Contribution, GradSlice, Rejection, StepClose
+from conveyor.platform.messages import (
+    AppliedContribution,
+    Contribution,
+    GradSlice,
+    Rejection,
+    StepClose,
+)
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
 from conveyor.services.aggregator.slice_owner import SliceOwner
@@ -60,8 +66,8 @@ def grad(cid: str, index: int) -> GradSlice:
 def close(version: int, *entries: tuple[str, int]) -> StepClose:
     return StepClose(
         job_id=JOB, version=version, batch_ids=[], num_samples=sum(n for _, n in entries),
-        contributions=[{"contribution_id": c, "num_samples": n, "staleness": 0}
-                       for c, n in entries],
+        contributions=[AppliedContribution(contribution_id=c, worker_id="w", base_version=0,
+                                           num_samples=n, staleness=0) for c, n in entries],
         epoch=0, lr=0.1, allocation={}, closed_at=0.0,
     )  # fmt: skip
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.platform.messages import GradSlice, StepClose
+from conveyor.platform.messages import AppliedContribution, GradSlice, StepClose
 from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.compression import encode_slice
 from conveyor.training.jobspec import OptimizerSpec
@@ -21,7 +21,11 @@ def grad_slice(cid: str, base: int, dense: torch.Tensor, encoding: str = "dense"
 
 
 def close(version: int, entries: list[tuple[str, int]], lr: float = 0.5) -> StepClose:
-    contributions = [{"contribution_id": c, "num_samples": n, "staleness": 0} for c, n in entries]
+    contributions = [
+        AppliedContribution(contribution_id=c, worker_id="w", base_version=0, num_samples=n,
+                            staleness=0)
+        for c, n in entries
+    ]  # fmt: skip
     return StepClose(
         job_id="j", version=version, batch_ids=[], contributions=contributions,
         num_samples=sum(n for _, n in entries), epoch=0, lr=lr, allocation={}, closed_at=0.0,

@@ -95,11 +95,11 @@ def test_sync_closes_only_when_every_live_member_contributed() -> None:
     assert close is not None and decisions.rejections == []
     assert close.version == 1 and close.num_samples == 4 and close.epoch == 0
     assert close.batch_ids == [batch(0, 0), batch(0, 1), batch(0, 2), batch(0, 3)]
-    assert [e["contribution_id"] for e in close.contributions] == [
+    assert [e.contribution_id for e in close.contributions] == [
         a.contribution_id,
         b.contribution_id,
     ]
-    assert all(e["staleness"] == 0 for e in close.contributions)
+    assert all(e.staleness == 0 for e in close.contributions)
     assert close.allocation == {"a": 1, "b": 3}  # proportional to throughput, sums to 4
     assert close.lr == 0.5
     # nothing more is decided until the close comes back through the log
@@ -206,7 +206,7 @@ def test_ssp_applies_within_the_bound_and_rejects_beyond() -> None:
         if decisions.close is not None:
             assert len(decisions.close.contributions) == 1  # one contribution per version
             assert decisions.close.version == c.version + 1
-            applied.append(decisions.close.contributions[0]["staleness"])
+            applied.append(decisions.close.contributions[0].staleness)
         echo(c, decisions)
     assert sorted(set(applied)) == [0, 1, 2] and c.max_staleness == s
     assert rejected and min(rejected) == s + 1
@@ -238,7 +238,7 @@ def test_ssp_damps_sgd_momentum_by_the_staleness(
         c.fold(contrib(worker, 0, [batch(0, index)]))
         decisions = c.decide(T0)
         assert decisions.close is not None and not decisions.rejections
-        assert decisions.close.contributions[0]["staleness"] == index
+        assert decisions.close.contributions[0].staleness == index
         momenta.append(decisions.close.momentum)
         echo(c, decisions)
     assert momenta == pytest.approx(expected)
@@ -422,7 +422,7 @@ def test_duplicate_close_versions_first_wins() -> None:
                       num_samples=1, epoch=0, lr=1.0, allocation={}, closed_at=T0)  # fmt: skip
     c.fold(other)
     assert c.version == 1 and c.applied_train_batches == 1
-    applied_id = decisions.close.contributions[0]["contribution_id"]
+    applied_id = decisions.close.contributions[0].contribution_id
     c.fold(Rejection(job_id=JOB, contribution_id=applied_id, worker_id="a", current_version=1,
                      reason="late"))  # fmt: skip
     assert c.rejected == 0

@@ -12,6 +12,7 @@ import torch
 
 from conveyor.platform.bus import Tailed
 from conveyor.platform.messages import (
+    AppliedContribution,
     Contribution,
     EvalResult,
     Heartbeat,
@@ -56,7 +57,8 @@ def close(
         job_id=JOB,
         version=version,
         contributions=[
-            {"contribution_id": c, "worker_id": w, "base_version": version - 1, "num_samples": 1}
+            AppliedContribution(contribution_id=c, worker_id=w, base_version=version - 1,
+                                num_samples=1, staleness=0)
             for c, w in contributions
         ],
         batch_ids=batch_ids,

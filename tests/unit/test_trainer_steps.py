@@ -23,6 +23,7 @@ from conveyor.platform.bus import Received, Tailed
 from conveyor.platform.bus.offsets import PartitionOffsets
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import (
+    AppliedContribution,
     Batch,
     Contribution,
     GradSlice,
@@ -212,13 +213,13 @@ def close(version: int, contributions: list[Contribution], allocation: dict[str,
         job_id=JOB,
         version=version,
         contributions=[
-            {
-                "contribution_id": c.contribution_id,
-                "worker_id": c.worker_id,
-                "base_version": c.base_version,
-                "num_samples": c.num_samples,
-                "staleness": 0,
-            }
+            AppliedContribution(
+                contribution_id=c.contribution_id,
+                worker_id=c.worker_id,
+                base_version=c.base_version,
+                num_samples=c.num_samples,
+                staleness=0,
+            )
             for c in contributions
         ],
         batch_ids=[b for c in contributions for b in c.batch_ids],

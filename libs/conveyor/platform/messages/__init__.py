@@ -73,6 +73,7 @@ from conveyor.platform.messages.job_events import (
 
 # isort: split
 from conveyor.platform.messages.gradient_plane import (
+    AppliedContribution,
     Contribution,
     EvalResult,
     GradSlice,
@@ -86,6 +87,7 @@ __all__ = [
     "ENVELOPE_KEYS",
     "SPLITS",
     "TERMINAL_EVENTS",
+    "AppliedContribution",
     "Batch",
     "CancelRequested",
     "Contribution",

@@ -9,11 +9,10 @@ of the grads and params topics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor
 
-from conveyor.platform.messages.registry import Message, message
+from conveyor.platform.messages.registry import Message, Record, message
 
 
 @message("GradSlice", version=1)
@@ -76,7 +75,30 @@ class Contribution(Message):
     """Unix seconds."""
 
 
-@message("StepClose", version=2)
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AppliedContribution(Record):
+    """One contribution a :class:`StepClose` applies."""
+
+    contribution_id: str
+    """The contribution (``worker:sequence``)."""
+    worker_id: str
+    """Trainer that computed it."""
+    base_version: int
+    """Parameter version it was computed on."""
+    num_samples: int
+    """Samples it sums over (0: an empty contribution, no GradSlice)."""
+    staleness: int
+    """Versions between its base and the one it is applied to (0 in sync mode)."""
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 0 or self.staleness < 0:
+            raise ValueError(
+                f"num_samples and staleness must be >= 0, got {self.num_samples}, "
+                f"{self.staleness}"
+            )
+
+
+@message("StepClose", version=3)
 @dataclass(kw_only=True, slots=True)
 class StepClose(Message):
     """The coordinator's decision, on ``Topics.control(job_id)``: version ``version`` is the
@@ -88,8 +110,9 @@ class StepClose(Message):
     """Id of the job."""
     version: int
     """The new version (previous + 1)."""
-    contributions: list[dict[str, Any]]
-    """Each ``{contribution_id, worker_id, base_version, num_samples, staleness}``."""
+    contributions: list[AppliedContribution]
+    """The contributions applied, in the order they were decided. A typed row since
+    version 3."""
     batch_ids: list[str]
     """Every batch applied in this step."""
     num_samples: int

@@ -38,9 +38,9 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from conveyor.platform.messages import (
+    AppliedContribution,
     Contribution,
     EvalResult,
     Heartbeat,
@@ -174,13 +174,13 @@ class Coordinator:
             self._awaiting_version = None
         loss_sum = 0.0
         for entry in close.contributions:
-            contribution_id = str(entry.get("contribution_id"))
+            contribution_id = entry.contribution_id
             self._seen.add(contribution_id)
             self._applied_in[contribution_id] = close.version
             contribution = self._pending.pop(contribution_id, None)
             if contribution is not None:
                 loss_sum += contribution.loss_sum
-            self.max_staleness = max(self.max_staleness, int(entry.get("staleness", 0)))
+            self.max_staleness = max(self.max_staleness, entry.staleness)
         self._applied_batches.update(close.batch_ids)
         self.epochs.applied(close.batch_ids, close.version)
         if close.num_samples > 0:
@@ -370,11 +370,11 @@ class Coordinator:
         )
 
 
-def _entry(contribution: Contribution, staleness: int) -> dict[str, Any]:
-    return {
-        "contribution_id": contribution.contribution_id,
-        "worker_id": contribution.worker_id,
-        "base_version": contribution.base_version,
-        "num_samples": contribution.num_samples,
-        "staleness": staleness,
-    }
+def _entry(contribution: Contribution, staleness: int) -> AppliedContribution:
+    return AppliedContribution(
+        contribution_id=contribution.contribution_id,
+        worker_id=contribution.worker_id,
+        base_version=contribution.base_version,
+        num_samples=contribution.num_samples,
+        staleness=staleness,
+    )

@@ -91,7 +91,7 @@ class Leader:
                 coordinator.fold(decisions.close)
                 folded = True
             for entry in decisions.close.contributions:
-                self.metrics.staleness.observe(int(entry["staleness"]))
+                self.metrics.staleness.observe(entry.staleness)
         await self._progress()
         for result in coordinator.epochs.results():
             await self._epoch_completed(result)

@@ -89,10 +89,9 @@ class SliceOwner(Generic[R]):
     def missing(self, close: StepClose) -> list[str]:
         """Ids of the non-empty contributions of ``close`` whose slice is not held yet."""
         return [
-            str(entry["contribution_id"])
+            entry.contribution_id
             for entry in close.contributions
-            if int(entry.get("num_samples", 0)) > 0
-            and str(entry["contribution_id"]) not in self._buffer
+            if entry.num_samples > 0 and entry.contribution_id not in self._buffer
         ]
 
     def apply(self, close: StepClose) -> list[R]:
@@ -113,7 +112,7 @@ class SliceOwner(Generic[R]):
         grads: list[GradSlice] = []
         records: list[R] = []
         for entry in close.contributions:
-            held = self._buffer.pop(str(entry["contribution_id"]), None)
+            held = self._buffer.pop(entry.contribution_id, None)
             if held is not None:
                 grads.append(held.grad)
                 records.extend(held.records)

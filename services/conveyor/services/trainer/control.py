@@ -127,9 +127,9 @@ class ControlState:
         if close.num_samples > 0:
             self.steps += 1
         for entry in close.contributions:
-            self._undecided.pop(str(entry.get("contribution_id")), None)
-            if entry.get("worker_id") == self.worker_id:
-                self._outcomes[str(entry.get("contribution_id"))] = Applied(close.version)
+            self._undecided.pop(entry.contribution_id, None)
+            if entry.worker_id == self.worker_id:
+                self._outcomes[entry.contribution_id] = Applied(close.version)
         for batch_id in close.batch_ids:
             epoch = _epoch_of(batch_id, "train")
             if epoch is None or epoch in self.epoch_end:
