@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conveyor.platform.messages import JobPlanned, Topics
+from conveyor.services.trainer.compute.session import prepare_job
 from conveyor.services.trainer.config import TrainerSettings, group_id
-from conveyor.services.trainer.session import prepare_job
-from conveyor.services.trainer.tally import TrainerTally
+from conveyor.services.trainer.reporting.tally import TrainerTally
 from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobview import JobView
 

@@ -12,8 +12,8 @@ from opentelemetry.context import Context
 from conveyor.platform.bus import Received
 from conveyor.platform.bus.offsets import PartitionOffsets
 from conveyor.platform.messages import Batch
-from conveyor.services.trainer.input import DeviceCopier, Prefetcher
-from conveyor.services.trainer.timing import (
+from conveyor.services.trainer.data.prefetch import DeviceCopier, Prefetcher
+from conveyor.services.trainer.reporting.timing import (
     STEP_PARTS,
     Rates,
     StageLatencies,

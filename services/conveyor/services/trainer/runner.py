@@ -36,22 +36,27 @@ from torch import nn
 from conveyor.platform.bus import Consumer, Producer, Received, Tailed, TopicTail
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import EvalResult, ParamSlice, StepClose, TrainerJoined
-from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
-from conveyor.services.trainer.compute import MicroResult
+from conveyor.services.trainer.compute.engine import MicroResult
+from conveyor.services.trainer.compute.session import JobSession
+from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings, group_id
-from conveyor.services.trainer.control import Applied, ControlState, Outcome
-from conveyor.services.trainer.figures import Figures
-from conveyor.services.trainer.gradients import EncodedGrad
-from conveyor.services.trainer.input import TRACER_NAME, DeviceCopier, Prefetcher, ReadyBatch
-from conveyor.services.trainer.listening import PlaneListener
-from conveyor.services.trainer.metrics import TrainerMetrics
-from conveyor.services.trainer.params import ParamAssembler
-from conveyor.services.trainer.reporting import Reporter
-from conveyor.services.trainer.sending import ContributionSender
-from conveyor.services.trainer.session import JobSession
-from conveyor.services.trainer.snapshots import EpochSnapshots
-from conveyor.services.trainer.steps import Outstanding, Pending
-from conveyor.services.trainer.wakeup import Signal
+from conveyor.services.trainer.data.batches import AckBook, BatchBook, Disposition
+from conveyor.services.trainer.data.prefetch import (
+    TRACER_NAME,
+    DeviceCopier,
+    Prefetcher,
+    ReadyBatch,
+)
+from conveyor.services.trainer.plane.control import Applied, ControlState, Outcome
+from conveyor.services.trainer.plane.gradients import EncodedGrad
+from conveyor.services.trainer.plane.listening import PlaneListener
+from conveyor.services.trainer.plane.outstanding import Outstanding, Pending
+from conveyor.services.trainer.plane.params import ParamAssembler
+from conveyor.services.trainer.plane.sending import ContributionSender
+from conveyor.services.trainer.plane.wakeup import Signal
+from conveyor.services.trainer.reporting.figures import Figures
+from conveyor.services.trainer.reporting.metrics import TrainerMetrics
+from conveyor.services.trainer.reporting.reporter import Reporter
 from conveyor.training.jobhost import JobFailure
 
 logger = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from conveyor.platform.messages import (
     StepClose,
     Topics,
 )
+from conveyor.services.trainer.compute.session import prepare_job
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.input import DeviceCopier, Prefetcher
-from conveyor.services.trainer.metrics import TrainerMetrics
+from conveyor.services.trainer.data.prefetch import DeviceCopier, Prefetcher
+from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.runner import JobRunner
-from conveyor.services.trainer.session import prepare_job
 from conveyor.training.jobview import JobView
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from conveyor.services.trainer.compute import MicroResult
+from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.input import ReadyBatch
-from conveyor.services.trainer.metrics import TrainerMetrics, open_gpu_probe
-from conveyor.services.trainer.tally import TrainerTally
-from conveyor.services.trainer.timing import StageLatencies, StepTimes, WaitMeter
+from conveyor.services.trainer.data.prefetch import ReadyBatch
+from conveyor.services.trainer.reporting.metrics import TrainerMetrics, open_gpu_probe
+from conveyor.services.trainer.reporting.tally import TrainerTally
+from conveyor.services.trainer.reporting.timing import StageLatencies, StepTimes, WaitMeter
 
 
 class Figures:

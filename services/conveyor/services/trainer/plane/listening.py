@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from conveyor.platform.bus import TopicTail
-from conveyor.services.trainer.wakeup import Signal
+from conveyor.services.trainer.plane.wakeup import Signal
 
 
 class PlaneListener:
