@@ -268,7 +268,7 @@ async def test_sync_waits_for_the_close_and_every_slice_then_recomputes_a_reject
         await h.producer.wait_for(lambda: len(h.contributions()) == 3)
         third = h.contributions()[2]
         assert third.batch_ids == second.batch_ids and third.base_version == 1
-        assert third.contribution_id == f"{ME}:2" and h.runner.tally.rejected == 1
+        assert third.contribution_id == f"{ME}:2" and h.runner.figures.rejected == 1
         assert sorted(h.consumer.acked) == [0, 1]  # nothing acked for the rejected one
 
 
@@ -284,7 +284,7 @@ async def test_sync_sends_an_empty_contribution_without_data() -> None:
         h.params(1)
         await h.producer.wait_for(lambda: len(h.contributions()) == 2)
         assert h.contributions()[1].num_samples == 4
-        assert h.runner.tally.empty_contributions == 1
+        assert h.runner.figures.empty_contributions == 1
 
 
 async def test_ssp_keeps_at_most_staleness_contributions_outstanding() -> None:
@@ -361,4 +361,4 @@ async def test_redelivered_and_already_applied_batches_are_skipped() -> None:
         assert h.consumer.acked == [0]  # the applied one at once; the copies wait for the log
         h.log(close(2, [mine], {ME: 2}))
         assert sorted(h.consumer.acked) == [0, 1, 2]  # both deliveries of b001
-        assert h.runner.tally.duplicates == 2
+        assert h.runner.figures.duplicates == 2

@@ -11,7 +11,6 @@ import torch
 from conveyor.platform.messages import JobPlanned, Topics
 from conveyor.services.trainer.compute.session import prepare_job
 from conveyor.services.trainer.config import TrainerSettings, group_id
-from conveyor.services.trainer.reporting.tally import TrainerTally
 from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobview import JobView
 
@@ -121,13 +120,6 @@ def test_cuda_demanded_without_cuda_fails_the_job() -> None:
         prepare_job(
             job({**SPEC, "resources": {"device": "cuda"}}), TrainerSettings(worker_id="w"), TOPICS
         )
-
-
-def test_tally_counts_applied_contributions() -> None:
-    tally = TrainerTally()
-    tally.applied(samples=64, batches=2, loss_sum=32.0)
-    tally.applied(samples=0, batches=0, loss_sum=0.0)  # an empty contribution
-    assert (tally.samples_trained, tally.batches_trained, tally.loss) == (64, 2, 0.5)
 
 
 def test_the_trainers_group_carries_the_topic_prefix() -> None:

@@ -54,7 +54,7 @@ from conveyor.services.trainer.plane.outstanding import Outstanding, Pending
 from conveyor.services.trainer.plane.params import ParamAssembler
 from conveyor.services.trainer.plane.sending import ContributionSender
 from conveyor.services.trainer.plane.wakeup import Signal
-from conveyor.services.trainer.reporting.figures import Figures
+from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.reporting.reporter import Reporter
 from conveyor.training.jobhost import JobFailure
@@ -89,7 +89,6 @@ class JobRunner:
         self.settings = settings
         self._kafka = kafka
         self._producer = producer
-        self.metrics = metrics
         self._compute_executor = compute_executor
         self._copy_executor = copy_executor
         spec, plan = session.spec, session.plan
@@ -109,8 +108,12 @@ class JobRunner:
         self.sender = ContributionSender(
             producer, session, worker_id=settings.worker_id, tracer=trace.get_tracer(TRACER_NAME)
         )
-        self.figures = Figures(settings, metrics, session.device)
-        self.tally, self.meter = self.figures.tally, self.figures.meter
+        self.figures = TrainerFigures(
+            metrics,
+            session.device,
+            rate_window_s=settings.rate_window_s,
+            stage_window=settings.stage_window,
+        )
         self.signal = Signal()
         self.loaded_version: int | None = None
         self.snapshots = EpochSnapshots(session, kafka, self._build_snapshot, self._params_reached)
@@ -251,14 +254,11 @@ class JobRunner:
 
     def _decided(self, pending: Pending[ReadyBatch], outcome: Outcome) -> None:
         if isinstance(outcome, Applied):
-            outcome_name = "applied" if pending.batches else "empty"
-            self.tally.applied(
+            self.figures.contribution_applied(
                 samples=pending.num_samples, batches=len(pending.batches), loss_sum=pending.loss_sum
             )
-            self.metrics.samples.inc(pending.num_samples)
         else:
-            outcome_name = "rejected"
-            self.tally.rejected += 1
+            self.figures.contribution_rejected()
             logger.info(
                 "job %s: contribution %s rejected (%s); recomputing its batches",
                 self.session.job_id, pending.contribution_id, outcome.reason,
@@ -267,7 +267,6 @@ class JobRunner:
             self.book.requeue(pending.batches, self.control)
             if pending.feedback is not None:
                 self._undo.append(pending.feedback)
-        self.metrics.contributions.labels(outcome=outcome_name).inc()
 
     # -- training -----------------------------------------------------------------------------
 
@@ -282,7 +281,7 @@ class JobRunner:
             # The first wait is for the job's first parameters: start-up, not the plane's cost.
             param_wait_s = 0.0 if first else time.perf_counter() - started
             first = False
-            self.meter.add(sync_s=param_wait_s)
+            self.figures.params_waited(param_wait_s)
             with self.listener.quiet():
                 await self._step(param_wait_s)
         logger.info(
@@ -322,9 +321,8 @@ class JobRunner:
         if version == self.loaded_version:
             return
         load_s = await self._compute(self.session.engine.load, flat)
-        self.meter.add(compute_s=load_s)
+        self.figures.params_loaded(version, load_s)
         self.loaded_version = version
-        self.metrics.version.set(version)
         self.snapshots.keep(version, flat, control)
 
     async def _step(self, param_wait_s: float) -> None:
@@ -339,27 +337,22 @@ class JobRunner:
             if self.outstanding.mode == "sync" and not self._training_over():
                 pending = await self.sender.send_empty(base)
                 self.outstanding.add(pending)
-                self.tally.empty_contributions += 1
+                self.figures.empty_sent()
             return
         encoded, encode_s = await self._compute(
             engine.gradient, sum(result.samples for result in results)
         )
         pending, grad_send_s = await self.sender.send(base, batches, results, encoded)
         self.outstanding.add(pending)
-        self.tally.contributions += 1
-        self.tally.grad_bytes += encoded.nbytes
-        compute_s = sum(r.compute_s for r in results) + encode_s
-        self.meter.add(compute_s=encode_s, sync_s=grad_send_s)
-        self.figures.step_times.add(
-            data_wait=wait_s,
-            h2d=sum(b.h2d_s for b in batches),
-            compute=compute_s,
-            grad_send=grad_send_s,
-            param_wait=param_wait_s,
+        self.figures.contribution_sent(
+            grad_bytes=encoded.nbytes,
+            data_wait_s=wait_s,
+            h2d_s=sum(b.h2d_s for b in batches),
+            batches_compute_s=sum(r.compute_s for r in results),
+            encode_s=encode_s,
+            grad_send_s=grad_send_s,
+            param_wait_s=param_wait_s,
         )
-        self.metrics.grad_bytes.inc(encoded.nbytes)
-        self.metrics.grad_send.observe(grad_send_s)
-        self.metrics.param_wait.observe(param_wait_s)
 
     async def _gather(self, wanted: int) -> tuple[list[ReadyBatch], list[MicroResult], float]:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
@@ -405,14 +398,12 @@ class JobRunner:
         assert prefetch is not None
         item, waited = await prefetch.get(timeout_s)
         if count_wait and self._waited_once:  # the wait for the very first batch is start-up
-            self.meter.add(wait_s=waited)
-            self.metrics.data_wait.observe(waited)
+            self.figures.data_waited(waited)
         self._waited_once = True
         if item is None:
             return False, waited
         self._admit(item)
-        self.metrics.held_batches.set(self.book.held)
-        self.metrics.ready_batches.set(prefetch.qsize())
+        self.figures.batches_waiting(held=self.book.held, ready=prefetch.qsize())
         return True, waited
 
     def _drop_revoked(self) -> None:
@@ -444,7 +435,7 @@ class JobRunner:
         else:
             self.acks.add(item.batch_id, item.received)
         if disposition in (Disposition.DONE, Disposition.COPY):
-            self.tally.duplicates += 1
+            self.figures.duplicate_dropped()
         if disposition is Disposition.INVALID:
             logger.warning(
                 "job %s: dropping batch %s of epoch %d (outside the job)",
@@ -474,7 +465,7 @@ class JobRunner:
             )
             self.figures.batch_done(item, result)
             await self.sender.send_eval(item, result, version=self.control.epoch_end[item.epoch])
-            self.tally.eval_batches += 1
+            self.figures.eval_sent()
 
     async def _params_reached(self, version: int) -> None:
         params = self.params
@@ -497,7 +488,7 @@ class JobRunner:
             "job %s: skipping record %s[%d]@%d: %s",
             self.session.job_id, received.topic, received.partition, received.offset, reason,
         )  # fmt: skip
-        self.metrics.rejected.inc()
+        self.figures.record_skipped()
         self._ack(received)
 
     async def _compute(self, fn: Callable[..., R], *args: Any, span: ReadyBatch | None = None) -> R:
