@@ -191,11 +191,11 @@ async def harness(mode: str, staleness: int = 0) -> AsyncIterator[Harness]:
         compute_executor=compute,
         copy_executor=copy,
     )
-    runner._consumer = consumer  # type: ignore[assignment]
-    prefetch = runner._prefetch = Prefetcher(
+    prefetch = Prefetcher(
         source, DeviceCopier(torch.device("cpu")), job_id=JOB, depth=4, consumer_group="g",
-        reject=runner._reject,
+        reject=runner.intake.reject,
     )  # fmt: skip
+    runner.intake.attach(consumer, prefetch)  # type: ignore[arg-type]
     tasks = [asyncio.create_task(prefetch.run()), asyncio.create_task(runner._train())]
     try:
         yield Harness(runner, producer, consumer, source)
