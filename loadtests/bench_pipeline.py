@@ -248,7 +248,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     from torch.nn import functional as F
 
     from conveyor.services.preprocessor.work import augmenter_for
-    from conveyor.services.trainer.compute import resolve_device
+    from conveyor.services.trainer.compute.engine import resolve_device
     from conveyor.training.datasets import open_dataset
     from conveyor.training.jobspec import JobSpec
     from conveyor.training.models import build_model

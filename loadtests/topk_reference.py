@@ -32,7 +32,7 @@ def reference_accuracy(spec_dict: dict[str, Any], *, seed: int | None = None) ->
     parameters (equal to per-slice optimizers)."""
     from torch.nn import functional as F
 
-    from conveyor.services.trainer.gradients import SliceEncoder
+    from conveyor.services.trainer.plane.gradients import SliceEncoder
     from conveyor.training.compression import decode_slice
     from conveyor.training.datasets import open_dataset
     from conveyor.training.jobspec import JobSpec

@@ -36,7 +36,7 @@ from plane_harness import (
 from conveyor.platform.bus import Producer, TopicTail, ensure_topics
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import Heartbeat, StepClose, Topics
-from conveyor.services.trainer.timing import STEP_PARTS
+from conveyor.services.trainer.reporting.figures import STEP_PARTS
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -20,10 +20,10 @@ from conveyor.platform.messages import (
     Rejection,
     StepClose,
 )
-from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
-from conveyor.services.trainer.control import Applied, ControlState, Rejected
-from conveyor.services.trainer.params import ParamAssembler, _scan, _search
-from conveyor.services.trainer.steps import Outstanding, Pending
+from conveyor.services.trainer.data.batches import AckBook, BatchBook, Disposition
+from conveyor.services.trainer.plane.control import Applied, ControlState, Rejected
+from conveyor.services.trainer.plane.outstanding import Outstanding, Pending
+from conveyor.services.trainer.plane.params import ParamAssembler, _scan, _search
 
 JOB = "j1"
 ME = "w-a"

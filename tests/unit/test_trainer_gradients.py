@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from conveyor.services.trainer.gradients import EncodedGrad, SliceEncoder
+from conveyor.services.trainer.plane.gradients import EncodedGrad, SliceEncoder
 from conveyor.training.compression import decode_slice
 from conveyor.training.jobspec import CompressionSpec, JobSpec
 from conveyor.training.optim import aggregator_optimizer, momentum_correction

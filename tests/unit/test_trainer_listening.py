@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conveyor.services.trainer.listening import PlaneListener
-from conveyor.services.trainer.wakeup import Signal
+from conveyor.services.trainer.plane.listening import PlaneListener, Signal
 
 
 class FakeTail:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from conveyor.services.trainer.metrics import GpuProbe, TrainerMetrics, open_gpu_probe
+from conveyor.services.trainer.reporting.metrics import GpuProbe, TrainerMetrics, open_gpu_probe
 
 
 class NVMLError(Exception):

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from conveyor.platform.messages import JobPlanned, Topics
+from conveyor.services.trainer.compute.session import prepare_job
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.session import prepare_job
-from conveyor.services.trainer.tally import TrainerTally
 from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobview import JobView
 
@@ -123,8 +122,3 @@ def test_cuda_demanded_without_cuda_fails_the_job() -> None:
         )
 
 
-def test_tally_counts_applied_contributions() -> None:
-    tally = TrainerTally()
-    tally.applied(samples=64, batches=2, loss_sum=32.0)
-    tally.applied(samples=0, batches=0, loss_sum=0.0)  # an empty contribution
-    assert (tally.samples_trained, tally.batches_trained, tally.loss) == (64, 2, 0.5)

@@ -19,6 +19,12 @@ the batches back to be recomputed on newer parameters; an epoch that ended relea
 batches of the next one and its eval batches. The trainer keeps no training state: the
 aggregators' slice owners hold parameters and optimizer state, the control log holds what is
 applied.
+
+The runner moves things between five parts: this trainer's end of the plane
+(:class:`~conveyor.services.trainer.plane.endpoint.PlaneEndpoint`: the control fold, the
+parameters, the outstanding contributions, the sender, the listener), the batches coming in
+(:class:`~conveyor.services.trainer.data.intake.BatchIntake`), the end-of-epoch snapshots, the
+figures and the reporter.
 """
 
 from __future__ import annotations
@@ -34,25 +40,22 @@ import torch
 from opentelemetry import trace
 from torch import nn
 
-from conveyor.platform.bus import Consumer, Producer, Received, Tailed, TopicTail
+from conveyor.platform.bus import Producer, Tailed, TopicTail
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import EvalResult, ParamSlice, StepClose, TrainerJoined
-from conveyor.services.trainer.batches import AckBook, BatchBook, Disposition
-from conveyor.services.trainer.compute import MicroResult
+from conveyor.services.trainer.compute.engine import MicroResult
+from conveyor.services.trainer.compute.session import JobSession
+from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.control import Applied, ControlState, Outcome
-from conveyor.services.trainer.figures import Figures
-from conveyor.services.trainer.gradients import EncodedGrad
-from conveyor.services.trainer.input import TRACER_NAME, DeviceCopier, Prefetcher, ReadyBatch
-from conveyor.services.trainer.listening import PlaneListener
-from conveyor.services.trainer.metrics import TrainerMetrics
-from conveyor.services.trainer.params import ParamAssembler
-from conveyor.services.trainer.reporting import Reporter
-from conveyor.services.trainer.sending import ContributionSender
-from conveyor.services.trainer.session import JobSession
-from conveyor.services.trainer.snapshots import EpochSnapshots
-from conveyor.services.trainer.steps import Outstanding, Pending
-from conveyor.services.trainer.wakeup import Signal
+from conveyor.services.trainer.data.intake import BatchIntake
+from conveyor.services.trainer.data.prefetch import TRACER_NAME, Prefetcher, ReadyBatch
+from conveyor.services.trainer.plane.control import Applied, Outcome
+from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
+from conveyor.services.trainer.plane.gradients import EncodedGrad
+from conveyor.services.trainer.plane.outstanding import Pending
+from conveyor.services.trainer.reporting.figures import TrainerFigures
+from conveyor.services.trainer.reporting.metrics import TrainerMetrics
+from conveyor.services.trainer.reporting.reporter import Reporter
 from conveyor.training.jobhost import JobFailure
 
 logger = logging.getLogger(__name__)
@@ -83,45 +86,28 @@ class JobRunner:
     ) -> None:
         self.session = session
         self.settings = settings
-        self._kafka = kafka
-        self._producer = producer
-        self.metrics = metrics
         self._compute_executor = compute_executor
-        self._copy_executor = copy_executor
-        spec, plan = session.spec, session.plan
-        self.control = ControlState(
-            worker_id=settings.worker_id,
-            epochs=spec.training.epochs,
-            train_batches_per_epoch=plan.train_batches_per_epoch,
-            eval_batches_per_epoch=plan.eval_batches_per_epoch,
-            member_timeout_s=settings.member_timeout_s,
+        self.figures = TrainerFigures(
+            metrics,
+            session.device,
+            rate_window_s=settings.rate_window_s,
+            stage_window=settings.stage_window,
         )
-        self.params = ParamAssembler(session.bounds)
-        self.book: BatchBook[ReadyBatch] = BatchBook(epochs=spec.training.epochs)
-        self.acks: AckBook[Received] = AckBook(self._ack)
-        self.outstanding: Outstanding[ReadyBatch] = Outstanding(
-            mode=spec.distribution.mode, staleness=spec.distribution.staleness
+        self.plane = PlaneEndpoint(session, settings=settings, kafka=kafka, producer=producer)
+        self.intake = BatchIntake(
+            session,
+            self.plane.control,
+            self.figures,
+            kafka=kafka,
+            producer=producer,
+            prefetch_batches=settings.prefetch_batches,
+            copy_executor=copy_executor,
         )
-        self.sender = ContributionSender(
-            producer, session, worker_id=settings.worker_id, tracer=trace.get_tracer(TRACER_NAME)
-        )
-        self.figures = Figures(settings, metrics, session.device)
-        self.tally, self.meter = self.figures.tally, self.figures.meter
-        self.signal = Signal()
-        self.loaded_version: int | None = None
         self.snapshots = EpochSnapshots(session, kafka, self._build_snapshot, self._params_reached)
-        self._undo: list[EncodedGrad] = []
-        """Error-feedback corrections of rejected contributions, applied on the compute thread."""
-        self._consumer: Consumer | None = None
-        self._prefetch: Prefetcher | None = None
-        self.listener = PlaneListener(self.signal, enabled=spec.distribution.mode == "sync")
-        self._waited_once = False
-        self._assigned: frozenset[tuple[str, int]] = frozenset()
-        self._tracer = trace.get_tracer(TRACER_NAME)
         self.reporter = Reporter(
             producer,
             jobs_topic=session.topics.jobs,
-            control_topic=plan.control_topic,
+            control_topic=session.plan.control_topic,
             job_id=session.job_id,
             worker_id=settings.worker_id,
             progress_interval_s=settings.progress_interval_s,
@@ -129,51 +115,34 @@ class JobRunner:
             progress=self.progress,
             heartbeat=self.heartbeat,
         )
+        self.loaded_version: int | None = None
+        self._undo: list[EncodedGrad] = []
+        """Error-feedback corrections of rejected contributions, applied on the compute thread."""
+        self._tracer = trace.get_tracer(TRACER_NAME)
 
     # -- the job ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        session, kafka = self.session, self._kafka
-        plane = kafka.for_gradient_plane()  # every step waits on these two readers
-        async with (
-            TopicTail(plane, session.plan.control_topic) as control_tail,
-            TopicTail(plane, session.params_topic, start="last") as params_tail,
-        ):
+        session, plane = self.session, self.plane
+        async with plane.readers() as (control_tail, params_tail):
             while not control_tail.caught_up:  # replay: what is applied, where epochs ended
                 self._on_control(await control_tail.get_many(_FOLLOW_POLL_S))
-            self.sender.next_sequence = self.control.last_sequence + 1
+            plane.sender.next_sequence = plane.control.last_sequence + 1
             logger.info(
                 "job %s: joined at version %d (epoch %d)",
-                session.job_id, self.control.version, self.control.current_epoch,
+                session.job_id, plane.control.version, plane.control.current_epoch,
             )  # fmt: skip
             await self.reporter.publish_event(
                 TrainerJoined(job_id=session.job_id, worker_id=self.settings.worker_id)
             )
-            async with Consumer(
-                kafka,
-                [session.plan.batches_topic],
-                group_id=session.topics.trainer_group(session.job_id),
-                max_in_flight=session.max_in_flight,
-                dead_letter_producer=self._producer,
-            ) as consumer:
-                self._consumer = consumer
+            async with self.intake.open() as prefetch:
                 try:
-                    await self._serve(consumer, control_tail, params_tail)
+                    await self._serve(prefetch, control_tail, params_tail)
                 finally:
-                    self._consumer = None
                     await self._leave()
 
-    async def _serve(self, consumer: Consumer, control: TopicTail, params: TopicTail) -> None:
-        prefetch = self._prefetch = Prefetcher(
-            consumer,
-            DeviceCopier(self.session.device),
-            job_id=self.session.job_id,
-            depth=self.settings.prefetch_batches,
-            consumer_group=self.session.topics.trainer_group(self.session.job_id),
-            reject=self._reject,
-            executor=self._copy_executor,
-        )
-        self.listener.attach(control, params)
+    async def _serve(self, prefetch: Prefetcher, control: TopicTail, params: TopicTail) -> None:
+        self.plane.listener.attach(control, params)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
@@ -192,7 +161,9 @@ class JobRunner:
             raise
 
     async def _leave(self) -> None:
-        """Tell the coordinator at once that this member is gone (not after its timeout)."""
+        """Let go of the batches and tell the coordinator at once that this member is gone (not
+        after its timeout)."""
+        self.intake.let_go()
         try:
             await self.reporter.send_heartbeat(leaving=True)
         except Exception as exc:  # leaving anyway; the member timeout covers it
@@ -202,9 +173,9 @@ class JobRunner:
         """Every epoch ended, or ``max_steps`` reached: the coordinator caps the version (what
         every trainer sees in the StepCloses, so all stop at the same point)."""
         max_steps = self.session.spec.training.max_steps
-        if max_steps is not None and self.control.version >= max_steps:
+        if max_steps is not None and self.plane.control.version >= max_steps:
             return True
-        return self.control.train_done
+        return self.plane.control.train_done
 
     # -- following the logs -------------------------------------------------------------------
 
@@ -215,75 +186,71 @@ class JobRunner:
                 handle(records)
 
     def _on_control(self, records: list[Tailed]) -> None:
-        control = self.control
+        control, intake = self.plane.control, self.intake
         for record in records:
             message = record.message
             control.apply(message)
             if isinstance(message, StepClose | EvalResult):
-                self.acks.done(message.batch_ids)
-                self.book.finish(message.batch_ids)
-        for pending, outcome in self.outstanding.resolve(control):
+                intake.done(message.batch_ids)
+        for pending, outcome in self.plane.outstanding.resolve(control):
             self._decided(pending, outcome)
-        self.book.release(control)
+        intake.book.release(control)
         self._keep_epoch_params()
         self.snapshots.drop_done(control)
-        self.signal.fire()
+        self.plane.signal.fire()
 
     def _on_params(self, records: list[Tailed]) -> None:
         for record in records:
             if isinstance(record.message, ParamSlice):
                 try:
-                    self.params.add(record.message)
+                    self.plane.params.add(record.message)
                 except ValueError as exc:
                     raise JobFailure(f"parameters on {record.topic} do not fit: {exc}") from exc
         self._keep_epoch_params()
-        self.signal.fire()
+        self.plane.signal.fire()
 
     def _keep_epoch_params(self) -> None:
         """Keep the newest complete parameters if they are an epoch's end-of-epoch version
         (also once training is over, when the last versions are no longer loaded)."""
-        if self.params.version is not None and self.params.flat is not None:
-            self.snapshots.keep(self.params.version, self.params.flat, self.control)
+        params = self.plane.params
+        if params.version is not None and params.flat is not None:
+            self.snapshots.keep(params.version, params.flat, self.plane.control)
 
     def _decided(self, pending: Pending[ReadyBatch], outcome: Outcome) -> None:
         if isinstance(outcome, Applied):
-            outcome_name = "applied" if pending.batches else "empty"
-            self.tally.applied(
+            self.figures.contribution_applied(
                 samples=pending.num_samples, batches=len(pending.batches), loss_sum=pending.loss_sum
             )
-            self.metrics.samples.inc(pending.num_samples)
         else:
-            outcome_name = "rejected"
-            self.tally.rejected += 1
+            self.figures.contribution_rejected()
             logger.info(
                 "job %s: contribution %s rejected (%s); recomputing its batches",
                 self.session.job_id, pending.contribution_id, outcome.reason,
             )  # fmt: skip
             # Batches applied elsewhere meanwhile are dropped (acknowledged by their close).
-            self.book.requeue(pending.batches, self.control)
+            self.intake.book.requeue(pending.batches, self.plane.control)
             if pending.feedback is not None:
                 self._undo.append(pending.feedback)
-        self.metrics.contributions.labels(outcome=outcome_name).inc()
 
     # -- training -----------------------------------------------------------------------------
 
     async def _train(self) -> None:
-        first = True
+        listener, first = self.plane.listener, True
         while not self._training_over():
             started = time.perf_counter()
-            await self.listener.wait_for(lambda: self._may_start() or self._training_over())
+            await listener.wait_for(lambda: self._may_start() or self._training_over())
             if self._training_over():
                 break
             await self._load_newest()
             # The first wait is for the job's first parameters: start-up, not the plane's cost.
             param_wait_s = 0.0 if first else time.perf_counter() - started
             first = False
-            self.meter.add(sync_s=param_wait_s)
-            with self.listener.quiet():
+            self.figures.params_waited(param_wait_s)
+            with listener.quiet():
                 await self._step(param_wait_s)
         logger.info(
             "job %s: training over at version %d; evaluating until the job ends",
-            self.session.job_id, self.control.version,
+            self.session.job_id, self.plane.control.version,
         )  # fmt: skip
         self.reporter.request_progress()
 
@@ -292,10 +259,10 @@ class JobRunner:
         trainer's contributions are outstanding, and a new one would likely not arrive staler
         than ``s``: versions not loaded yet + contributions on the log waiting for their
         decision (every trainer's) stay within ``s`` (else it would mostly be rejected)."""
-        outstanding = self.outstanding
+        outstanding = self.plane.outstanding
         if not outstanding.can_start or outstanding.mode == "sync":
             return outstanding.can_start
-        control, newest = self.control, self.params.version or 0
+        control, newest = self.plane.control, self.plane.params.version or 0
         ahead = max(0, control.version - newest)
         waiting = max(control.undecided(time.time()), len(outstanding))
         return ahead + waiting <= outstanding.staleness
@@ -303,11 +270,12 @@ class JobRunner:
     async def _load_newest(self) -> None:
         """Load the newest parameters whose StepClose has been folded (so epoch ends up to it
         are known); sync mode: the latest closed version exactly."""
-        control, params = self.control, self.params
-        if self.outstanding.mode == "sync":
-            await self.listener.wait_for(lambda: params.version == control.version)
+        plane = self.plane
+        control, params = plane.control, plane.params
+        if plane.outstanding.mode == "sync":
+            await plane.listener.wait_for(lambda: params.version == control.version)
         else:
-            await self.listener.wait_for(
+            await plane.listener.wait_for(
                 lambda: params.version is not None and params.version <= control.version
             )
         version, flat = params.version, params.flat
@@ -318,60 +286,55 @@ class JobRunner:
         if version == self.loaded_version:
             return
         load_s = await self._compute(self.session.engine.load, flat)
-        self.meter.add(compute_s=load_s)
+        self.figures.params_loaded(version, load_s)
         self.loaded_version = version
-        self.metrics.version.set(version)
         self.snapshots.keep(version, flat, control)
 
     async def _step(self, param_wait_s: float) -> None:
         """Gather, compute and send one contribution on the loaded version."""
-        engine, base = self.session.engine, self.loaded_version
+        engine, base, plane = self.session.engine, self.loaded_version, self.plane
         assert base is not None
-        wanted = self.control.micro_batches_for(
+        wanted = plane.control.micro_batches_for(
             self.session.spec.micro_batches_per_step, time.time()
         )
         batches, results, wait_s = await self._gather(wanted)
         if not batches:
-            if self.outstanding.mode == "sync" and not self._training_over():
-                pending = await self.sender.send_empty(base)
-                self.outstanding.add(pending)
-                self.tally.empty_contributions += 1
+            if plane.outstanding.mode == "sync" and not self._training_over():
+                pending = await plane.sender.send_empty(base)
+                plane.outstanding.add(pending)
+                self.figures.empty_sent()
             return
         encoded, encode_s = await self._compute(
             engine.gradient, sum(result.samples for result in results)
         )
-        pending, grad_send_s = await self.sender.send(base, batches, results, encoded)
-        self.outstanding.add(pending)
-        self.tally.contributions += 1
-        self.tally.grad_bytes += encoded.nbytes
-        compute_s = sum(r.compute_s for r in results) + encode_s
-        self.meter.add(compute_s=encode_s, sync_s=grad_send_s)
-        self.figures.step_times.add(
-            data_wait=wait_s,
-            h2d=sum(b.h2d_s for b in batches),
-            compute=compute_s,
-            grad_send=grad_send_s,
-            param_wait=param_wait_s,
+        pending, grad_send_s = await plane.sender.send(base, batches, results, encoded)
+        plane.outstanding.add(pending)
+        self.figures.contribution_sent(
+            grad_bytes=encoded.nbytes,
+            data_wait_s=wait_s,
+            h2d_s=sum(b.h2d_s for b in batches),
+            batches_compute_s=sum(r.compute_s for r in results),
+            encode_s=encode_s,
+            grad_send_s=grad_send_s,
+            param_wait_s=param_wait_s,
         )
-        self.metrics.grad_bytes.inc(encoded.nbytes)
-        self.metrics.grad_send.observe(grad_send_s)
-        self.metrics.param_wait.observe(param_wait_s)
 
     async def _gather(self, wanted: int) -> tuple[list[ReadyBatch], list[MicroResult], float]:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
         stops early when none arrives within ``empty_contribution_wait_s``."""
+        intake = self.intake
         batches: list[ReadyBatch] = []
         results: list[MicroResult] = []
         wait_s = 0.0
         while len(batches) < wanted and not self._training_over():
-            self._drop_revoked()
+            intake.drop_revoked()
             await self._evaluate_ready()
-            item, dropped = self.book.next_train(self.control)
+            item, dropped = intake.book.next_train(self.plane.control)
             self.figures.batches_dropped(dropped, "applied elsewhere")
             if item is None:
                 if batches and self._epoch_in_hand(batches):
                     break  # the rest of the epoch is here: waiting would only stall the step
-                received, waited = await self._receive(self.settings.empty_contribution_wait_s)
+                received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
                 wait_s += waited
                 if not received:
                     break
@@ -387,94 +350,41 @@ class JobRunner:
         step or in this trainer's outstanding contributions, so no other can arrive for it
         (an epoch whose count is not a multiple of the step would otherwise wait
         ``empty_contribution_wait_s`` at its end for a batch that does not exist)."""
-        epoch = self.control.current_epoch
+        control = self.plane.control
+        epoch = control.current_epoch
         outstanding = sum(
-            1 for pending in self.outstanding for batch in pending.batches if batch.epoch == epoch
-        )
-        return self.control.train_left(epoch) <= len(gathered) + outstanding
-
-    async def _receive(
-        self, timeout_s: float | None, *, count_wait: bool = True
-    ) -> tuple[bool, float]:
-        """Take one delivered batch and place it; (False, waited) when none came in time."""
-        prefetch = self._prefetch
-        assert prefetch is not None
-        item, waited = await prefetch.get(timeout_s)
-        if count_wait and self._waited_once:  # the wait for the very first batch is start-up
-            self.meter.add(wait_s=waited)
-            self.metrics.data_wait.observe(waited)
-        self._waited_once = True
-        if item is None:
-            return False, waited
-        self._admit(item)
-        self.metrics.held_batches.set(self.book.held)
-        self.metrics.ready_batches.set(prefetch.qsize())
-        return True, waited
-
-    def _drop_revoked(self) -> None:
-        """Drop the waiting batches of partitions this trainer no longer owns: their new owner
-        gets them again (were they trained here too, one of the two would be rejected)."""
-        consumer = self._consumer
-        if consumer is None:
-            return
-        assigned = consumer.assignment()
-        if assigned == self._assigned:
-            return
-        self._assigned = assigned
-        dropped = self.book.forget_if(
-            lambda item: (item.received.topic, item.received.partition) not in assigned
-        )
-        self.acks.discard(item.batch_id for item in dropped)
-        self.figures.batches_dropped(dropped, "revoked")
-
-    def _admit(self, item: ReadyBatch) -> None:
-        self._drop_revoked()
-        if (item.received.topic, item.received.partition) not in self._assigned:
-            # Fetched before its partition moved (it sat in the prefetch queue): the new owner
-            # has it; an ack of it would be ignored anyway.
-            self.figures.batches_dropped([item], "revoked")
-            return
-        disposition = self.book.admit(item, self.control)
-        if disposition in (Disposition.DONE, Disposition.INVALID):
-            self._ack(item.received)
-        else:
-            self.acks.add(item.batch_id, item.received)
-        if disposition in (Disposition.DONE, Disposition.COPY):
-            self.tally.duplicates += 1
-        if disposition is Disposition.INVALID:
-            logger.warning(
-                "job %s: dropping batch %s of epoch %d (outside the job)",
-                self.session.job_id, item.batch_id, item.epoch,
-            )  # fmt: skip
-        if disposition in (Disposition.DONE, Disposition.COPY, Disposition.INVALID):
-            self.figures.batches_dropped([item], disposition.value)
+            1 for pending in self.plane.outstanding for batch in pending.batches
+            if batch.epoch == epoch
+        )  # fmt: skip
+        return control.train_left(epoch) <= len(gathered) + outstanding
 
     # -- evaluation ---------------------------------------------------------------------------
 
     async def _evaluate_until_cancelled(self) -> None:
         while True:
             await self._evaluate_ready()
-            await self._receive(_EVAL_ONLY_POLL_S, count_wait=False)
+            await self.intake.receive(_EVAL_ONLY_POLL_S, count_wait=False)
 
     async def _evaluate_ready(self) -> None:
         """Evaluate the queued eval batches of ended epochs; one EvalResult per batch (the
         batch is acknowledged once an EvalResult covering it is on the control log)."""
+        control = self.plane.control
         while True:
-            item, dropped = self.book.next_eval(self.control)
+            item, dropped = self.intake.book.next_eval(control)
             self.figures.batches_dropped(dropped, "evaluated elsewhere")
             if item is None:
                 return
-            model = await self.snapshots.model(item.epoch, self.control)
+            model = await self.snapshots.model(item.epoch, control)
             result = await self._compute(
                 self.session.engine.evaluate, model, item.x, item.y, span=item
             )
             self.figures.batch_done(item, result)
-            await self.sender.send_eval(item, result, version=self.control.epoch_end[item.epoch])
-            self.tally.eval_batches += 1
+            await self.plane.sender.send_eval(item, result, version=control.epoch_end[item.epoch])
+            self.figures.eval_sent()
 
     async def _params_reached(self, version: int) -> None:
-        params = self.params
-        await self.listener.wait_for(
+        params = self.plane.params
+        await self.plane.listener.wait_for(
             lambda: params.version is not None and params.version >= version
         )
 
@@ -482,19 +392,6 @@ class JobRunner:
         return await self._compute(self.session.engine.snapshot, flat)
 
     # -- helpers ------------------------------------------------------------------------------
-
-    def _ack(self, received: Received) -> None:
-        consumer = self._consumer
-        if consumer is not None:
-            consumer.ack(received)
-
-    def _reject(self, received: Received, reason: str) -> None:
-        logger.warning(
-            "job %s: skipping record %s[%d]@%d: %s",
-            self.session.job_id, received.topic, received.partition, received.offset, reason,
-        )  # fmt: skip
-        self.metrics.rejected.inc()
-        self._ack(received)
 
     async def _compute(self, fn: Callable[..., R], *args: Any, span: ReadyBatch | None = None) -> R:
         """Run ``fn`` on the compute thread; a failure there fails the job."""
@@ -512,22 +409,14 @@ class JobRunner:
     # -- reports ------------------------------------------------------------------------------
 
     def progress(self) -> dict[str, Any]:
-        return self.figures.progress(epoch=self.control.current_epoch, version=self.loaded_version)
+        control = self.plane.control
+        return self.figures.progress(epoch=control.current_epoch, version=self.loaded_version)
 
     def heartbeat(self) -> dict[str, Any]:
-        prefetch, consumer = self._prefetch, self._consumer
-        queues = {
-            "outstanding": len(self.outstanding),
-            "ready_batches": prefetch.qsize() if prefetch is not None else 0,
-            "queued_batches": self.book.queued_train,
-            "held_batches": self.book.held,
-            "in_flight": consumer.in_flight if consumer is not None else 0,
-        }
+        queues = {"outstanding": len(self.plane.outstanding), **self.intake.queues()}
         info = self.figures.heartbeat(
-            epoch=self.control.current_epoch, version=self.loaded_version, queues=queues
+            epoch=self.plane.control.current_epoch, version=self.loaded_version, queues=queues
         )
         # What the coordinator weights the routing of batches by (conveyor.training.routing).
-        topic = self.session.plan.batches_topic
-        owned = consumer.assignment() if consumer is not None else frozenset()
-        info["batches_partitions"] = sorted(tp.partition for tp in owned if tp.topic == topic)
+        info["batches_partitions"] = self.intake.partitions()
         return info

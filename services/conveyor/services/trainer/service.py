@@ -18,10 +18,10 @@ from contextlib import AsyncExitStack
 from typing import ClassVar
 
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
+from conveyor.services.trainer.compute.session import JobSession, prepare_job
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.metrics import TrainerMetrics
+from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.runner import JobRunner
-from conveyor.services.trainer.session import JobSession, prepare_job
 from conveyor.training.jobhost import JobHostService
 from conveyor.training.jobview import JobView
 

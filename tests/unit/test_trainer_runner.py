@@ -34,11 +34,11 @@ from conveyor.platform.messages import (
     StepClose,
     Topics,
 )
+from conveyor.services.trainer.compute.session import prepare_job
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.input import DeviceCopier, Prefetcher
-from conveyor.services.trainer.metrics import TrainerMetrics
+from conveyor.services.trainer.data.prefetch import DeviceCopier, Prefetcher
+from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.runner import JobRunner
-from conveyor.services.trainer.session import prepare_job
 from conveyor.training.jobview import JobView
 
 pytestmark = pytest.mark.timeout(60)
@@ -192,11 +192,11 @@ async def harness(mode: str, staleness: int = 0) -> AsyncIterator[Harness]:
         compute_executor=compute,
         copy_executor=copy,
     )
-    runner._consumer = consumer  # type: ignore[assignment]
-    prefetch = runner._prefetch = Prefetcher(
+    prefetch = Prefetcher(
         source, DeviceCopier(torch.device("cpu")), job_id=JOB, depth=4, consumer_group="g",
-        reject=runner._reject,
+        reject=runner.intake.reject,
     )  # fmt: skip
+    runner.intake.attach(consumer, prefetch)  # type: ignore[arg-type]
     tasks = [asyncio.create_task(prefetch.run()), asyncio.create_task(runner._train())]
     try:
         yield Harness(runner, producer, consumer, source)
@@ -269,7 +269,7 @@ async def test_sync_waits_for_the_close_and_every_slice_then_recomputes_a_reject
         await h.producer.wait_for(lambda: len(h.contributions()) == 3)
         third = h.contributions()[2]
         assert third.batch_ids == second.batch_ids and third.base_version == 1
-        assert third.contribution_id == f"{ME}:2" and h.runner.tally.rejected == 1
+        assert third.contribution_id == f"{ME}:2" and h.runner.figures.rejected == 1
         assert sorted(h.consumer.acked) == [0, 1]  # nothing acked for the rejected one
 
 
@@ -285,7 +285,7 @@ async def test_sync_sends_an_empty_contribution_without_data() -> None:
         h.params(1)
         await h.producer.wait_for(lambda: len(h.contributions()) == 2)
         assert h.contributions()[1].num_samples == 4
-        assert h.runner.tally.empty_contributions == 1
+        assert h.runner.figures.empty_contributions == 1
 
 
 async def test_ssp_keeps_at_most_staleness_contributions_outstanding() -> None:
@@ -362,4 +362,4 @@ async def test_redelivered_and_already_applied_batches_are_skipped() -> None:
         assert h.consumer.acked == [0]  # the applied one at once; the copies wait for the log
         h.log(close(2, [mine], {ME: 2}))
         assert sorted(h.consumer.acked) == [0, 1, 2]  # both deliveries of b001
-        assert h.runner.tally.duplicates == 2
+        assert h.runner.figures.duplicates == 2

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from conveyor.services.trainer.control import ControlState, Outcome, Rejected
-from conveyor.services.trainer.gradients import EncodedGrad
+from conveyor.services.trainer.plane.control import ControlState, Outcome, Rejected
+from conveyor.services.trainer.plane.gradients import EncodedGrad
 
 T = TypeVar("T")
 

@@ -10,15 +10,36 @@ readers for that time and resumes them whenever the loop waits on them (a step d
 parameters, an epoch's snapshot). What was written meanwhile is fetched at once on the resume.
 Bounded staleness keeps following the logs: whether a step may start depends on how far the
 others got.
+
+Whatever waits on the logs waits on a :class:`Signal`, which the runner fires after folding
+new records of either log.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from conveyor.platform.bus import TopicTail
-from conveyor.services.trainer.wakeup import Signal
+
+
+class Signal:
+    """Wakes every waiter when something changed (the control log, the params topic)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        previous, self._event = self._event, asyncio.Event()
+        previous.set()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while True:
+            event = self._event  # taken before the check, so no change is missed
+            if predicate():
+                return
+            await event.wait()
 
 
 class PlaneListener:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conveyor.services.trainer.gradients import EncodedGrad, SliceEncoder
+from conveyor.services.trainer.plane.gradients import EncodedGrad, SliceEncoder
 from conveyor.training.jobspec import NormalizeSpec, ResourcesSpec
 from conveyor.training.slicing import ParamLayout
 

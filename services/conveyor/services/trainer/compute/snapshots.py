@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from conveyor.platform.config import KafkaSettings
-from conveyor.services.trainer.control import ControlState
-from conveyor.services.trainer.params import fetch_version
-from conveyor.services.trainer.session import JobSession
+from conveyor.services.trainer.compute.session import JobSession
+from conveyor.services.trainer.plane.control import ControlState
+from conveyor.services.trainer.plane.params import fetch_version
 from conveyor.training.jobhost import JobFailure
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
-from conveyor.services.trainer.control import ControlState
+from conveyor.services.trainer.plane.control import ControlState
 
 
 class BatchLike(Protocol):

@@ -8,7 +8,7 @@ from typing import Any
 from job_events import TRAINER_DEFAULTS
 
 from conveyor.platform.messages import Heartbeat, Message, TrainerProgress
-from conveyor.services.trainer.reporting import Reporter
+from conveyor.services.trainer.reporting.reporter import Reporter
 
 
 class FakeProducer:

@@ -16,11 +16,11 @@ from opentelemetry.trace import Link, Tracer
 
 from conveyor.platform.bus import Producer
 from conveyor.platform.messages import Contribution, EvalResult, GradSlice
-from conveyor.services.trainer.compute import MicroResult
-from conveyor.services.trainer.gradients import EncodedGrad
-from conveyor.services.trainer.input import ReadyBatch
-from conveyor.services.trainer.session import JobSession
-from conveyor.services.trainer.steps import Pending
+from conveyor.services.trainer.compute.engine import MicroResult
+from conveyor.services.trainer.compute.session import JobSession
+from conveyor.services.trainer.data.prefetch import ReadyBatch
+from conveyor.services.trainer.plane.gradients import EncodedGrad
+from conveyor.services.trainer.plane.outstanding import Pending
 
 
 class ContributionSender:

@@ -8,8 +8,13 @@ import time
 import pytest
 import torch
 
-from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
-from conveyor.services.trainer.gradients import SliceEncoder
+from conveyor.services.trainer.compute.engine import (
+    Engine,
+    Normalizer,
+    apply_resources,
+    resolve_device,
+)
+from conveyor.services.trainer.plane.gradients import SliceEncoder
 from conveyor.training.compression import decode_slice
 from conveyor.training.jobspec import CompressionSpec, NormalizeSpec, ResourcesSpec
 from conveyor.training.models import build_model

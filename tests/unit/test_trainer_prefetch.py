@@ -1,25 +1,19 @@
-"""Exposed data-wait accounting (prefetch + meter) with fake producers, and stage latencies."""
+"""Bounded prefetch with fake producers: the exposed data wait it leaves (measured with the
+figures' wait meter), records of another job, the timeout of a take."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-import pytest
 import torch
 from opentelemetry.context import Context
 
 from conveyor.platform.bus import Received
 from conveyor.platform.bus.offsets import PartitionOffsets
 from conveyor.platform.messages import Batch
-from conveyor.services.trainer.input import DeviceCopier, Prefetcher
-from conveyor.services.trainer.timing import (
-    STEP_PARTS,
-    Rates,
-    StageLatencies,
-    StepTimes,
-    WaitMeter,
-)
+from conveyor.services.trainer.data.prefetch import DeviceCopier, Prefetcher
+from conveyor.services.trainer.reporting.figures import WaitMeter
 
 
 def record(offset: int, job_id: str = "job1") -> Received:
@@ -127,56 +121,3 @@ async def test_get_gives_up_after_its_timeout() -> None:
     item, waited = await prefetch.get(timeout_s=0.05)
     fetching.cancel()
     assert item is None and 0.04 <= waited < 1.0
-
-
-def test_wait_meter_window_and_job_totals() -> None:
-    now = [0.0]
-    meter = WaitMeter(window_s=10.0, clock=lambda: now[0])
-    assert meter.ratio is None and meter.recent() == Rates(None, 0.0, 0.0)
-    meter.add(wait_s=3.0, compute_s=1.0, samples=40)
-    now[0] = 20.0  # the first entry leaves the window
-    meter.add(wait_s=1.0, compute_s=2.0, samples=100)
-    meter.add(sync_s=2.0)  # the gradient plane's time is step time too
-    assert meter.ratio == pytest.approx(4.0 / 9.0)
-    rates = meter.recent()
-    assert rates.data_wait_ratio == pytest.approx(1.0 / 5.0)
-    assert rates.samples_per_second == pytest.approx(100 / 5.0)  # wall: wait + compute + sync
-    assert rates.compute_samples_per_second == pytest.approx(50.0)  # compute only
-    with pytest.raises(ValueError):
-        meter.add(wait_s=-1.0)
-
-
-def test_step_times_average_the_recent_steps() -> None:
-    times = StepTimes(window=2)
-    assert times.means() == dict.fromkeys(STEP_PARTS, 0.0)
-    times.add(data_wait=9.0, compute=9.0)  # leaves the window
-    times.add(data_wait=1.0, h2d=0.5, compute=2.0, grad_send=0.2, param_wait=0.4)
-    times.add(compute=4.0, param_wait=0.2)
-    assert times.means() == pytest.approx(
-        {"data_wait": 0.5, "h2d": 0.25, "compute": 3.0, "grad_send": 0.1, "param_wait": 0.3}
-    )
-    with pytest.raises(ValueError, match="unknown"):
-        times.add(update=1.0)
-
-
-def test_stage_latencies_from_batch_stamps() -> None:
-    stages = StageLatencies(window=3)
-    for k in range(4):
-        stamps = {
-            "read_start": 0.0,
-            "read_end": 0.1 * k,
-            "augment_end": 0.1 * k + 0.05,
-            "sent": 1.0,
-            "received": 1.5,
-            "h2d_end": 1.5 + 0.01 * k,
-        }
-        stages.add_batch(stamps, compute_s=0.2)
-    p50 = stages.percentile(50)
-    assert p50["read"] == pytest.approx(0.2)  # the window keeps k = 1, 2, 3
-    assert p50["augment"] == pytest.approx(0.05)
-    assert p50["queue"] == pytest.approx(0.5)
-    assert p50["h2d"] == pytest.approx(0.02)
-    assert p50["compute"] == pytest.approx(0.2)
-    partial = StageLatencies(window=3)
-    partial.add_batch({"sent": 2.0, "received": 1.0}, compute_s=None)  # skewed clocks
-    assert partial.percentile(50) == {"queue": 0.0}

@@ -15,9 +15,14 @@ import torch
 from torch import nn
 
 from conveyor.platform.messages import JobPlanned, Topics
-from conveyor.services.trainer.compute import Engine, Normalizer, apply_resources, resolve_device
+from conveyor.services.trainer.compute.engine import (
+    Engine,
+    Normalizer,
+    apply_resources,
+    resolve_device,
+)
 from conveyor.services.trainer.config import TrainerSettings
-from conveyor.services.trainer.gradients import SliceEncoder
+from conveyor.services.trainer.plane.gradients import SliceEncoder
 from conveyor.training.jobhost import JobFailure
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobView

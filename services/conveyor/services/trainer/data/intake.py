@@ -1,0 +1,185 @@
+"""A job's batches into one trainer: the consumer group, prefetch to the device, and where each
+delivered batch stands.
+
+:meth:`BatchIntake.open` joins the job's consumer group on the batches topic and builds the
+:class:`Prefetcher` over it (its ``run()`` is the caller's task). :meth:`BatchIntake.receive`
+takes the next ready batch and places it in the :class:`BatchBook` against the control fold: a
+batch done already (or outside the job) is acknowledged and dropped, a copy of one in memory
+keeps only its delivery, the rest is queued or held; every record is acknowledged once the
+control log shows its batch's effect (:meth:`BatchIntake.done`). A partition that moved to
+another trainer takes its waiting batches with it: they are dropped here, unacknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Executor
+from contextlib import asynccontextmanager
+
+from conveyor.platform.bus import Consumer, Producer, Received
+from conveyor.platform.config import KafkaSettings
+from conveyor.services.trainer.compute.session import JobSession
+from conveyor.services.trainer.data.batches import AckBook, BatchBook, Disposition
+from conveyor.services.trainer.data.prefetch import DeviceCopier, Prefetcher, ReadyBatch
+from conveyor.services.trainer.plane.control import ControlState
+from conveyor.services.trainer.reporting.figures import TrainerFigures
+
+logger = logging.getLogger(__name__)
+
+
+class BatchIntake:
+    """The batches of one job delivered to one trainer (see the module docstring)."""
+
+    def __init__(
+        self,
+        session: JobSession,
+        control: ControlState,
+        figures: TrainerFigures,
+        *,
+        kafka: KafkaSettings,
+        producer: Producer,
+        prefetch_batches: int,
+        copy_executor: Executor,
+    ) -> None:
+        self._session = session
+        self._kafka = kafka
+        self._producer = producer
+        self._control = control
+        self._figures = figures
+        self._prefetch_batches = prefetch_batches
+        self._copy_executor = copy_executor
+        self.book: BatchBook[ReadyBatch] = BatchBook(epochs=session.spec.training.epochs)
+        """Where each batch in memory stands: queued to train or evaluate, or held."""
+        self.acks: AckBook[Received] = AckBook(self._ack)
+        """The deliveries of the batches in memory, acknowledged when the log shows them done."""
+        self._consumer: Consumer | None = None
+        self._prefetch: Prefetcher | None = None
+        self._assigned: frozenset[tuple[str, int]] = frozenset()
+        self._waited_once = False
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[Prefetcher]:
+        """Join the job's consumer group; yields the prefetcher to run. Call :meth:`let_go`
+        before leaving (the consumer leaves the group on exit, committing what was
+        acknowledged)."""
+        session = self._session
+        group = session.topics.trainer_group(session.job_id)
+        async with Consumer(
+            self._kafka,
+            [session.plan.batches_topic],
+            group_id=group,
+            max_in_flight=session.max_in_flight,
+            dead_letter_producer=self._producer,
+        ) as consumer:
+            prefetch = Prefetcher(
+                consumer,
+                DeviceCopier(session.device),
+                job_id=session.job_id,
+                depth=self._prefetch_batches,
+                consumer_group=group,
+                reject=self.reject,
+                executor=self._copy_executor,
+            )
+            self.attach(consumer, prefetch)
+            yield prefetch
+
+    def attach(self, consumer: Consumer, prefetch: Prefetcher) -> None:
+        """Take batches from ``prefetch`` and acknowledge them on ``consumer``."""
+        self._consumer = consumer
+        self._prefetch = prefetch
+
+    def let_go(self) -> None:
+        """Stop using the consumer (it is about to leave): nothing more is acknowledged and no
+        partition counts as owned."""
+        self._consumer = None
+
+    async def receive(
+        self, timeout_s: float | None, *, count_wait: bool = True
+    ) -> tuple[bool, float]:
+        """Take one delivered batch and place it; (False, waited) when none came in time."""
+        prefetch = self._prefetch
+        assert prefetch is not None
+        item, waited = await prefetch.get(timeout_s)
+        if count_wait and self._waited_once:  # the wait for the very first batch is start-up
+            self._figures.data_waited(waited)
+        self._waited_once = True
+        if item is None:
+            return False, waited
+        self._admit(item)
+        self._figures.batches_waiting(held=self.book.held, ready=prefetch.qsize())
+        return True, waited
+
+    def done(self, batch_ids: Sequence[str]) -> None:
+        """The log shows these batches' effect: acknowledge their deliveries, forget them."""
+        self.acks.done(batch_ids)
+        self.book.finish(batch_ids)
+
+    def drop_revoked(self) -> None:
+        """Drop the waiting batches of partitions this trainer no longer owns: their new owner
+        gets them again (were they trained here too, one of the two would be rejected)."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        assigned = consumer.assignment()
+        if assigned == self._assigned:
+            return
+        self._assigned = assigned
+        dropped = self.book.forget_if(
+            lambda item: (item.received.topic, item.received.partition) not in assigned
+        )
+        self.acks.discard(item.batch_id for item in dropped)
+        self._figures.batches_dropped(dropped, "revoked")
+
+    def reject(self, received: Received, reason: str) -> None:
+        """Skip a record that is not a batch of the job (acknowledged: it never will be one)."""
+        logger.warning(
+            "job %s: skipping record %s[%d]@%d: %s",
+            self._session.job_id, received.topic, received.partition, received.offset, reason,
+        )  # fmt: skip
+        self._figures.record_skipped()
+        self._ack(received)
+
+    def queues(self) -> dict[str, int]:
+        """Batches prefetched, queued to train, held, and delivered but unacknowledged."""
+        prefetch, consumer = self._prefetch, self._consumer
+        return {
+            "ready_batches": prefetch.qsize() if prefetch is not None else 0,
+            "queued_batches": self.book.queued_train,
+            "held_batches": self.book.held,
+            "in_flight": consumer.in_flight if consumer is not None else 0,
+        }
+
+    def partitions(self) -> list[int]:
+        """The batches topic's partitions this trainer owns now, in order."""
+        consumer = self._consumer
+        owned = consumer.assignment() if consumer is not None else frozenset()
+        topic = self._session.plan.batches_topic
+        return sorted(tp.partition for tp in owned if tp.topic == topic)
+
+    def _admit(self, item: ReadyBatch) -> None:
+        self.drop_revoked()
+        if (item.received.topic, item.received.partition) not in self._assigned:
+            # Fetched before its partition moved (it sat in the prefetch queue): the new owner
+            # has it; an ack of it would be ignored anyway.
+            self._figures.batches_dropped([item], "revoked")
+            return
+        disposition = self.book.admit(item, self._control)
+        if disposition in (Disposition.DONE, Disposition.INVALID):
+            self._ack(item.received)
+        else:
+            self.acks.add(item.batch_id, item.received)
+        if disposition in (Disposition.DONE, Disposition.COPY):
+            self._figures.duplicate_dropped()
+        if disposition is Disposition.INVALID:
+            logger.warning(
+                "job %s: dropping batch %s of epoch %d (outside the job)",
+                self._session.job_id, item.batch_id, item.epoch,
+            )  # fmt: skip
+        if disposition in (Disposition.DONE, Disposition.COPY, Disposition.INVALID):
+            self._figures.batches_dropped([item], disposition.value)
+
+    def _ack(self, received: Received) -> None:
+        consumer = self._consumer
+        if consumer is not None:
+            consumer.ack(received)
