@@ -6,6 +6,7 @@ Linux only (``/proc``); nothing here needs psutil.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -571,5 +572,5 @@ class JobWatcher:
         from conveyor.platform.messages import Heartbeat
 
         message = self._decode(value)
-        if isinstance(message, Heartbeat) and message.role == "trainer":
-            self.heartbeats.append((message.at, message.info))
+        if isinstance(message, Heartbeat):
+            self.heartbeats.append((message.at, dataclasses.asdict(message.state)))

@@ -50,6 +50,7 @@ The last line printed is one JSON object:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -250,8 +251,8 @@ class PlaneWatcher(JobWatcher):
         from conveyor.platform.messages import Contribution, Heartbeat, StepClose
 
         message = self._decode(value)
-        if isinstance(message, Heartbeat) and message.role == "trainer":
-            self.heartbeats.append((message.at, message.info))
+        if isinstance(message, Heartbeat):
+            self.heartbeats.append((message.at, dataclasses.asdict(message.state)))
         elif isinstance(message, StepClose):
             ids = [c.contribution_id for c in message.contributions]
             self.closes.append((message.version, message.closed_at, message.num_samples, ids))

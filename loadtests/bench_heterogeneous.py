@@ -31,6 +31,7 @@ figures are medians over repeats. The last line printed is one JSON object:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -125,8 +126,8 @@ class Watcher(JobWatcher):
         from conveyor.platform.messages import Heartbeat
 
         message = self._decode(value)
-        if isinstance(message, Heartbeat) and message.role == "trainer":
-            self.beats.append((message.worker_id, message.at, message.info))
+        if isinstance(message, Heartbeat):
+            self.beats.append((message.worker_id, message.at, dataclasses.asdict(message.state)))
 
 
 def compute_rate(watcher: Watcher, worker_id: str) -> float | None:

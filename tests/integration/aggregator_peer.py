@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from heartbeats import heartbeat
 from torch.nn import functional as F
 
 from conveyor.platform.bus import Producer, TopicTail
@@ -24,7 +25,6 @@ from conveyor.platform.messages import (
     Contribution,
     EvalResult,
     GradSlice,
-    Heartbeat,
     JobEvent,
     ParamSlice,
     Rejection,
@@ -135,9 +135,8 @@ class Peer:
         control = self.topics.control(self.job_id)
         while True:
             for worker in sorted(self.heartbeats_on):
-                info = {"samples_per_second": self.workers[worker], "data_wait_ratio": 0.01}
-                beat = Heartbeat(job_id=self.job_id, worker_id=worker, role="trainer",
-                                 at=time.time(), info=info)  # fmt: skip
+                beat = heartbeat(self.job_id, worker, samples_per_second=self.workers[worker],
+                                 data_wait_ratio=0.01)  # fmt: skip
                 await self._producer.publish(control, beat)
             await asyncio.sleep(0.3)
 

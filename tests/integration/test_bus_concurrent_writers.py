@@ -5,9 +5,9 @@ see conveyor.platform.bus.holes)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from heartbeats import heartbeat
 
 from conveyor.platform.bus import Consumer, Producer, TopicSpec, TopicTail, ensure_topics
 from conveyor.platform.config import KafkaSettings
@@ -20,8 +20,7 @@ PER_WRITER = 150
 
 
 def beat(worker: int, n: int) -> Heartbeat:
-    return Heartbeat(job_id="j", worker_id=f"w{worker}", role="trainer", at=time.time(),
-                     info={"n": n})  # fmt: skip
+    return heartbeat("j", f"w{worker}", epoch=n)
 
 
 async def write(settings: KafkaSettings, topic: str, worker: int) -> None:

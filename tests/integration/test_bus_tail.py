@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
+from heartbeats import heartbeat
 
 from conveyor.platform.bus import (
     BusError,
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def beat(worker: str, n: int) -> Heartbeat:
-    return Heartbeat(job_id="j", worker_id=worker, role="trainer", at=time.time(), info={"n": n})
+    return heartbeat("j", worker, epoch=n)
 
 
 async def drain(tail: TopicTail, until: int, timeout_s: float = 10.0) -> list[Tailed]:
@@ -49,7 +49,7 @@ async def test_replays_follows_and_finds_the_last_records(kafka_settings: KafkaS
             assert whole.caught_up
             in_zero = [r for r in records if r.partition == 0]
             assert [r.offset for r in in_zero] == [0, 1, 2]
-            assert [r.message.info["n"] for r in in_zero] == [0, 1, 2]  # type: ignore[attr-defined]
+            assert [r.message.state.epoch for r in in_zero] == [0, 1, 2]  # type: ignore[attr-defined]
             await producer.publish(topic, beat("c", 7), partition=2)
             [live] = await drain(whole, 1)  # it keeps following
             assert (live.partition, live.offset) == (2, 0)
@@ -58,7 +58,7 @@ async def test_replays_follows_and_finds_the_last_records(kafka_settings: KafkaS
             records = await drain(last, 3)
             assert sorted((r.partition, r.offset) for r in records) == [(0, 2), (1, 0), (2, 0)]
             found = await last.read_at(0, 1)
-            assert found is not None and found.message.info["n"] == 1  # type: ignore[attr-defined]
+            assert found is not None and found.message.state.epoch == 1  # type: ignore[attr-defined]
             assert (await last.end_offsets()) == {0: 3, 1: 1, 2: 1}
             with pytest.raises(ValueError, match="no partition 5"):
                 await last.read_at(5, 0)
@@ -98,4 +98,4 @@ async def test_a_paused_tail_sends_no_fetches_and_catches_up_on_resume(
         tail.resume()
         records = await drain(tail, 2, timeout_s=5.0)
         assert [r.offset for r in records] == [1, 2]
-        assert [r.message.info["n"] for r in records] == [1, 2]  # type: ignore[attr-defined]
+        assert [r.message.state.epoch for r in records] == [1, 2]  # type: ignore[attr-defined]

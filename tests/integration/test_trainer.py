@@ -103,17 +103,17 @@ async def test_two_trainers_train_a_digits_job_through_two_aggregators(
         mine = [p for p in jobs.of("progress", job_id, worker_id=name)]
         assert mine[-1]["samples_trained"] > 0  # both trained
         assert set(mine[-1]["stage_latency_s"]) == {"read", "augment", "queue", "h2d", "compute"}
-    assert {"t-a", "t-b"} <= {b.worker_id for b in beats if b.role == "trainer"}
+    assert {"t-a", "t-b"} <= {b.worker_id for b in beats}
     for name in ("t-a", "t-b"):
-        infos = [b.info for b in beats if b.worker_id == name and not b.info.get("leaving")]
-        assert max(info["samples_per_second"] for info in infos) > 0  # what allocation uses
-        assert all(set(info["step_time_s"]) == set(STEP_PARTS) for info in infos)
+        infos = [b.state for b in beats if b.worker_id == name and not b.leaving]
+        assert max(info.samples_per_second for info in infos) > 0  # what allocation uses
+        assert all(set(info.step_time_s) == set(STEP_PARTS) for info in infos)
         # A beat sent during the first step has no step times yet (all zero); every later one
         # averages sent steps, each with compute and a gradient send.
-        stepped = [info["step_time_s"] for info in infos if any(info["step_time_s"].values())]
+        stepped = [info.step_time_s for info in infos if any(info.step_time_s.values())]
         assert stepped, f"no heartbeat of {name} reported a step"
         assert all(times["compute"] > 0 and times["grad_send"] > 0 for times in stepped)
-        assert not any("gpu" in info for info in infos)  # no GPU here: no GPU fields
+        assert not any(info.gpu for info in infos)  # no GPU here: no GPU fields
     assert_grad_send_spans(spans, topics.batches(job_id))
 
 
@@ -176,7 +176,7 @@ async def test_a_slow_trainer_gets_fewer_batches_and_a_fast_one_more(
     owned: dict[str, list[int]] = {}
     for name in ("t-fast", "t-slow"):
         beats = [b for b in control if isinstance(b, Heartbeat) and b.worker_id == name]
-        reported: list[list[int]] = [b.info["batches_partitions"] for b in beats]
+        reported: list[list[int]] = [b.state.batches_partitions for b in beats]
         owned[name] = max(reported, key=reported.count)  # what it held most of the job
     assert sorted(owned["t-fast"] + owned["t-slow"]) == [0, 1, 2, 3]
     routings = [p["routing"] for p in jobs.of("progress", job_id, worker_id="coordinator")
@@ -283,7 +283,7 @@ async def test_an_unbuildable_job_fails_and_a_cancelled_job_is_left(kafka: Kafka
         await asyncio.wait_for(
             follow_until_caught_up(kafka, topics.control("canceljob"), beats), 10
         )
-        assert beats and beats[-1].info.get("leaving") is True  # left the job's membership
+        assert beats and beats[-1].leaving is True  # left the job's membership
 
 
 async def follow_until_caught_up(kafka: KafkaSettings, topic: str, into: list[Any]) -> None:

@@ -24,13 +24,13 @@ from codec_cases import (
     roundtrip_tensor,
     sample,
 )
+from heartbeats import heartbeat
 
 from conveyor.platform.codec import ALIGN_BYTES, DTYPES, PREFIX_BYTES, decode, encode
 from conveyor.platform.messages import (
     Batch,
     CoordinatorProgress,
     DeadLetter,
-    Heartbeat,
     JobPlanned,
     JobSubmitted,
     Message,
@@ -194,7 +194,9 @@ def test_v1_schemas_round_trip() -> None:
             job_id="j1", shard_id="s", epoch=1, index=0, split="train", dataset_uri="builtin://x",
             sample_ids=[3], micro_batch_size=4, seed=7, preprocess={}, routing=[0.5, 0, 0.5],
         ),
-        Heartbeat(job_id="j1", worker_id="w", role="trainer", at=1.0, info={"gpu": None}),
+        heartbeat("j1", "w", at=1.0, version=3, step_time_s={"compute": 0.5},
+                  batches_partitions=[0, 2], gpu={"gpu_utilization_ratio": 0.5}),
+        heartbeat("j1", "w", at=2.0, leaving=True),
     ]  # fmt: skip
     for original in plain_messages:
         assert decode(encode(original)) == original

@@ -39,7 +39,7 @@ def test_schemas_are_registered_with_name_and_version() -> None:
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
     assert versions == {  # ShardTask v2: + routing
-        "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 1, "JobSubmitted": 1,
+        "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
         "JobPlanned": 1, "JobFailed": 1,
     }  # fmt: skip
 

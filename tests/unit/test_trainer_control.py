@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
+from heartbeats import heartbeat as trainer_heartbeat
 
 from conveyor.platform.bus import Tailed
 from conveyor.platform.messages import (
@@ -70,8 +70,8 @@ def close(
     )
 
 
-def heartbeat(worker: str, at: float, **info: Any) -> Heartbeat:
-    return Heartbeat(job_id=JOB, worker_id=worker, role="trainer", at=at, info=info)
+def heartbeat(worker: str, at: float, *, leaving: bool = False) -> Heartbeat:
+    return trainer_heartbeat(JOB, worker, at=at, leaving=leaving)
 
 
 # -- ControlState ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from heartbeats import trainer_state
 from job_events import TRAINER_DEFAULTS
 
 from conveyor.platform.messages import Heartbeat, Message, TrainerProgress
@@ -37,7 +38,7 @@ def reporter(producer: FakeProducer, state: State) -> Reporter:
         progress_interval_s=0.5,
         heartbeat_interval_s=1.0,
         progress=lambda: {**TRAINER_DEFAULTS, "step": state.step, "samples_trained": state.samples},
-        heartbeat=lambda: {"version": 1, "samples_per_second": 10.0},
+        heartbeat=lambda: trainer_state(version=1, samples_per_second=10.0),
     )
 
 
@@ -70,6 +71,6 @@ async def test_heartbeats_go_to_the_control_topic() -> None:
     await report.send_heartbeat(leaving=True)
     (topic, message), (_, leaving) = producer.sent
     assert topic == "control" and isinstance(message, Heartbeat)
-    assert message.role == "trainer" and message.worker_id == "w1"
-    assert message.info == {"version": 1, "samples_per_second": 10.0}
-    assert isinstance(leaving, Heartbeat) and leaving.info["leaving"] is True
+    assert message.worker_id == "w1" and not message.leaving
+    assert (message.state.version, message.state.samples_per_second) == (1, 10.0)
+    assert isinstance(leaving, Heartbeat) and leaving.leaving is True

@@ -52,7 +52,13 @@ from conveyor.platform.messages.topics import (
 # isort: split
 # The schema modules register their schemas when imported, in this order (the order of
 # registered_messages()).
-from conveyor.platform.messages.data_plane import Batch, DeadLetter, Heartbeat, ShardTask
+from conveyor.platform.messages.data_plane import (
+    Batch,
+    DeadLetter,
+    Heartbeat,
+    ShardTask,
+    TrainerState,
+)
 
 # isort: split
 from conveyor.platform.messages.job_events import (
@@ -116,6 +122,7 @@ __all__ = [
     "Topics",
     "TrainerJoined",
     "TrainerProgress",
+    "TrainerState",
     "batch_id_for",
     "message",
     "registered_messages",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conveyor.platform.messages.registry import Message, message
+from conveyor.platform.messages.registry import Message, Record, message
 from conveyor.platform.messages.topics import SPLITS
 
 
@@ -122,18 +122,61 @@ class Batch(Message):
             raise ValueError(f"{len(self.sample_ids)} sample_ids for {rows} rows")
 
 
-@message("Heartbeat", version=1)
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainerState(Record):
+    """What a trainer's heartbeat says about it: what the coordinator allocates micro-batches
+    and routes batches by, and what people look at (step-time breakdown, queues, GPU)."""
+
+    device: str
+    """The torch device it computes on (``cpu``, ``cuda:0``, ...)."""
+    version: int | None
+    """Parameter version it last loaded (None before the first)."""
+    epoch: int
+    """Epoch it works on."""
+    samples_per_second: float
+    """Its recent compute throughput: what its share of a step is proportional to."""
+    throughput_samples_per_second: float
+    """Its recent wall-clock throughput."""
+    data_wait_ratio: float | None
+    """Recent exposed data wait / step time (None before a step)."""
+    step_time_s: dict[str, float]
+    """Mean seconds per step of each part (``data_wait``, ``compute``, ...), recent window."""
+    outstanding: int
+    """Its contributions sent and not decided yet."""
+    ready_batches: int
+    """Batches on the device ahead of compute (the prefetch queue)."""
+    queued_batches: int
+    """Train batches received and not yet gathered into a step."""
+    held_batches: int
+    """Batches of a later epoch held until the current one ends."""
+    in_flight: int
+    """Batches delivered and not acknowledged yet."""
+    batches_partitions: list[int]
+    """Partitions of the job's batches topic its consumer owns (the routing weights)."""
+    gpu: dict[str, float]
+    """GPU readings (``gpu_utilization_ratio``, ``gpu_memory_used_bytes``, ...,
+    ``torch_allocated_bytes``); empty without a GPU."""
+
+    def __post_init__(self) -> None:
+        if self.samples_per_second < 0 or self.throughput_samples_per_second < 0:
+            raise ValueError("throughputs must be >= 0")
+        if min(self.batches_partitions, default=0) < 0:
+            raise ValueError(f"partitions must be >= 0, got {self.batches_partitions}")
+
+
+@message("Heartbeat", version=2)
 @dataclass(kw_only=True, slots=True)
 class Heartbeat(Message):
-    """A worker's periodic sign of life and state on ``Topics.control(job_id)``."""
+    """A trainer's periodic sign of life and state on ``Topics.control(job_id)``: its
+    membership in the job's steps."""
 
     job_id: str
     """Id of the job."""
     worker_id: str
-    """Id of the worker process, stable for its lifetime."""
-    role: str
-    """``trainer``, ``preprocessor``, ``aggregator``, ..."""
+    """Id of the trainer, stable for its process's lifetime."""
     at: float
     """When it was sent, unix time in seconds."""
-    info: dict[str, Any]
-    """Role-specific state (throughput, step-time breakdown, GPU state, ...)."""
+    state: TrainerState
+    """Its state now. A typed row since version 2 (was a dict ``info``)."""
+    leaving: bool = False
+    """It is leaving the job: the coordinator drops it from the membership at once."""

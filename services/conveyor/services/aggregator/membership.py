@@ -13,9 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.platform.messages import Heartbeat
-
-TRAINER_ROLE = "trainer"
+from conveyor.platform.messages import Heartbeat, TrainerState
 
 
 @dataclass(slots=True)
@@ -38,33 +36,13 @@ def _positive(value: Any) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
-def _ratio(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _partitions(value: Any) -> tuple[int, ...]:
-    """A heartbeat's ``batches_partitions`` (a list of partition numbers); () when invalid."""
-    if not isinstance(value, list):
-        return ()
-    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in value):
-        return ()
-    return tuple(sorted(set(value)))
-
-
-def _data_wait_ratio(info: dict[str, Any]) -> float | None:
+def _data_wait_ratio(state: TrainerState) -> float | None:
     """``data_wait_ratio``, else ``step_time_s["data_wait"]`` over the sum of the step's parts."""
-    stated = _ratio(info.get("data_wait_ratio"))
-    if stated is not None:
-        return stated
-    parts = info.get("step_time_s")
-    if not isinstance(parts, dict):
-        return None
-    values = [v for v in map(_ratio, parts.values()) if v is not None and v >= 0]
-    wait = _ratio(parts.get("data_wait"))
-    total = sum(values)
-    return wait / total if wait is not None and total > 0 else None
+    if state.data_wait_ratio is not None and math.isfinite(state.data_wait_ratio):
+        return state.data_wait_ratio
+    parts = [v for v in state.step_time_s.values() if math.isfinite(v) and v >= 0]
+    wait, total = state.step_time_s.get("data_wait"), sum(parts)
+    return wait / total if wait is not None and math.isfinite(wait) and total > 0 else None
 
 
 class Membership:
@@ -79,19 +57,17 @@ class Membership:
         self._members: dict[str, Member] = {}
 
     def heartbeat(self, beat: Heartbeat) -> None:
-        """Fold a heartbeat; one with ``info["leaving"] is True`` removes the member at once."""
-        if beat.role != TRAINER_ROLE:
-            return
-        if beat.info.get("leaving") is True:
+        """Fold a heartbeat; a ``leaving`` one removes the member at once."""
+        if beat.leaving:
             member = self._members.get(beat.worker_id)
             if member is not None and member.last_seen_at <= beat.at:
                 del self._members[beat.worker_id]
             return
         member = self.seen(beat.worker_id, beat.at)
         if member.last_seen_at == beat.at:  # the newest news wins
-            member.samples_per_second = _positive(beat.info.get("samples_per_second"))
-            member.data_wait_ratio = _data_wait_ratio(beat.info)
-            member.batches_partitions = _partitions(beat.info.get("batches_partitions"))
+            member.samples_per_second = _positive(beat.state.samples_per_second)
+            member.data_wait_ratio = _data_wait_ratio(beat.state)
+            member.batches_partitions = tuple(sorted(set(beat.state.batches_partitions)))
 
     def seen(self, worker_id: str, at: float) -> Member:
         """Record a sign of life of ``worker_id`` at sender time ``at``."""

@@ -42,7 +42,13 @@ from torch import nn
 
 from conveyor.platform.bus import Producer, Tailed, TopicTail
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import EvalResult, ParamSlice, StepClose, TrainerJoined
+from conveyor.platform.messages import (
+    EvalResult,
+    ParamSlice,
+    StepClose,
+    TrainerJoined,
+    TrainerState,
+)
 from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.compute.snapshots import EpochSnapshots
@@ -412,11 +418,12 @@ class JobRunner:
         control = self.plane.control
         return self.figures.progress(epoch=control.current_epoch, version=self.loaded_version)
 
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self) -> TrainerState:
         queues = {"outstanding": len(self.plane.outstanding), **self.intake.queues()}
-        info = self.figures.heartbeat(
-            epoch=self.plane.control.current_epoch, version=self.loaded_version, queues=queues
+        return self.figures.heartbeat(
+            epoch=self.plane.control.current_epoch,
+            version=self.loaded_version,
+            queues=queues,
+            # What the coordinator weights the routing of batches by (conveyor.training.routing).
+            batches_partitions=self.intake.partitions(),
         )
-        # What the coordinator weights the routing of batches by (conveyor.training.routing).
-        info["batches_partitions"] = self.intake.partitions()
-        return info

@@ -112,8 +112,8 @@ class ControlState:
                 self._undecided[message.contribution_id] = message.sent_at
             if message.worker_id == self.worker_id:
                 self.last_sequence = max(self.last_sequence, _sequence(message.contribution_id))
-        elif isinstance(message, Heartbeat) and message.role == "trainer":
-            if message.info.get("leaving"):
+        elif isinstance(message, Heartbeat):
+            if message.leaving:
                 self._heartbeats.pop(message.worker_id, None)
             else:
                 self._heartbeats[message.worker_id] = message.at

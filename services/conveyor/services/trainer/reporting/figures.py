@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from conveyor.platform.messages import TrainerState
 from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.data.prefetch import ReadyBatch
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics, open_gpu_probe
@@ -205,31 +206,38 @@ class TrainerFigures:
         }
 
     def heartbeat(
-        self, *, epoch: int, version: int | None, queues: dict[str, int]
-    ) -> dict[str, Any]:
-        """The ``info`` of a heartbeat: ``samples_per_second`` is the compute throughput
+        self,
+        *,
+        epoch: int,
+        version: int | None,
+        queues: dict[str, int],
+        batches_partitions: list[int],
+    ) -> TrainerState:
+        """The state a heartbeat carries: ``samples_per_second`` is the compute throughput
         (what the allocation is proportional to), then the wall throughput, the step-time
-        breakdown, ``queues`` as given, and GPU state when there is a GPU."""
+        breakdown, ``queues`` (outstanding, ready, queued, held, in flight), the partitions
+        the routing weights, and GPU state when there is a GPU."""
         rates = self.meter.recent()
-        info: dict[str, Any] = {
-            "device": str(self.device),
-            "version": version,
-            "epoch": epoch,
-            "samples_per_second": rates.compute_samples_per_second,
-            "throughput_samples_per_second": rates.samples_per_second,
-            "data_wait_ratio": rates.data_wait_ratio,
-            "step_time_s": self.step_times.means(),
-            **queues,
-        }
+        gpu: dict[str, float] = {}
         if self._gpu is not None:
             reading = self._gpu.read()
             self.metrics.set_gpu(reading)
-            info["gpu"] = dict(reading)
-            info["gpu"]["torch_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            gpu = {**reading, "torch_allocated_bytes": torch.cuda.memory_allocated(self.device)}
         if rates.data_wait_ratio is not None:
             self.metrics.data_wait_ratio.set(rates.data_wait_ratio)
         self.metrics.samples_per_second.set(rates.samples_per_second)
-        return info
+        return TrainerState(
+            device=str(self.device),
+            version=version,
+            epoch=epoch,
+            samples_per_second=rates.compute_samples_per_second,
+            throughput_samples_per_second=rates.samples_per_second,
+            data_wait_ratio=rates.data_wait_ratio,
+            step_time_s=self.step_times.means(),
+            batches_partitions=batches_partitions,
+            gpu=gpu,
+            **queues,
+        )
 
 
 def ratio(wait_s: float, compute_s: float) -> float | None:

@@ -18,7 +18,7 @@ from typing import Any
 from aiokafka.structs import RecordMetadata
 
 from conveyor.platform.bus import Producer
-from conveyor.platform.messages import Heartbeat, JobEvent, TrainerProgress
+from conveyor.platform.messages import Heartbeat, JobEvent, TrainerProgress, TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ _TICK_S = 0.1
 """Granularity of the periodic sends."""
 
 Snapshot = Callable[[], dict[str, Any]]
+"""The fields of this trainer's next progress event."""
 
 
 class Reporter:
@@ -42,7 +43,7 @@ class Reporter:
         progress_interval_s: float,
         heartbeat_interval_s: float,
         progress: Snapshot,
-        heartbeat: Snapshot,
+        heartbeat: Callable[[], TrainerState],
     ) -> None:
         self._producer = producer
         self._jobs_topic = jobs_topic
@@ -84,14 +85,14 @@ class Reporter:
         self._last_progress_at = now
         await self.send_event(TrainerProgress(job_id=self.job_id, worker_id=self.worker_id, **data))
 
-    async def send_heartbeat(self, **extra: Any) -> None:
-        """Enqueue a heartbeat whose info is the snapshot plus ``extra``."""
+    async def send_heartbeat(self, *, leaving: bool = False) -> None:
+        """Enqueue a heartbeat with the trainer's state now (``leaving``: its last one)."""
         message = Heartbeat(
             job_id=self.job_id,
             worker_id=self.worker_id,
-            role="trainer",
             at=time.time(),
-            info={**self._heartbeat(), **extra},
+            state=self._heartbeat(),
+            leaving=leaving,
         )
         ack = await self._producer.send(self._control_topic, message, key=self.worker_id)
         ack.add_done_callback(_log_failure)
