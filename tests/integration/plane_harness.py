@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from job_events import job_event
+from serving import Servable, running
 
 from conveyor.platform.bus import Producer, TopicTail, create_topology
 from conveyor.platform.config import (
@@ -41,26 +41,6 @@ from conveyor.training.jobview import JobLogReader, JobsView, JobView
 from conveyor.training.plan import split_ids
 
 MEMBER_TIMEOUT_S = 3.0
-
-
-class Servable(Protocol):
-    async def serve(self) -> int: ...
-    def readiness(self) -> bool: ...
-    def request_stop(self, exit_code: int = 0) -> None: ...
-
-
-@asynccontextmanager
-async def running(service: Servable) -> AsyncIterator[asyncio.Task[int]]:
-    serving = asyncio.create_task(service.serve())
-    deadline = time.monotonic() + 30
-    while not service.readiness():
-        assert time.monotonic() < deadline and not serving.done(), f"{service} never ready"
-        await asyncio.sleep(0.05)
-    try:
-        yield serving
-    finally:
-        service.request_stop()
-        assert await asyncio.wait_for(serving, 60) == 0
 
 
 def telemetry() -> TelemetrySettings:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import serving
 import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from opentelemetry.sdk.trace import ReadableSpan
@@ -47,16 +48,8 @@ def make_service(kafka: KafkaSettings, **settings: Any) -> PreprocessorService:
 @asynccontextmanager
 async def running(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[PreprocessorService]:
     service = make_service(kafka, **settings)
-    serving = asyncio.create_task(service.serve())
-    deadline = time.monotonic() + 20
-    while not service.readiness():
-        assert time.monotonic() < deadline and not serving.done(), "preprocessor never ready"
-        await asyncio.sleep(0.05)
-    try:
+    async with serving.running(service):
         yield service
-    finally:
-        service.request_stop()
-        assert await asyncio.wait_for(serving, 30) == 0
 
 
 async def setup_topics(kafka: KafkaSettings, *batch_jobs: str) -> Topics:

@@ -11,6 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from job_events import job_event
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from serving import running
 
 from conveyor.platform.bus import Producer, TopicAdmin
 from conveyor.platform.codec import decode
@@ -57,16 +58,8 @@ async def running_sharder(
         storage=StorageSettings(),
         telemetry=TelemetrySettings(otlp_endpoint=None),
     )
-    serving = asyncio.create_task(service.serve())
-    deadline = time.monotonic() + 20
-    while not service.readiness():
-        assert time.monotonic() < deadline and not serving.done(), "sharder never ready"
-        await asyncio.sleep(0.05)
-    try:
+    async with running(service):
         yield service
-    finally:
-        service.request_stop()
-        assert await asyncio.wait_for(serving, 30) == 0
 
 
 class TopicReader:
