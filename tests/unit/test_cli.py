@@ -74,6 +74,19 @@ def test_service_runs_entry_with_extra_args_and_its_exit_code(two_services: None
     assert CALLS == [["--replica", "2"]]
 
 
+def test_a_retired_setting_stops_the_service_with_its_replacement(
+    two_services: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    CALLS.clear()
+    monkeypatch.setenv("CONVEYOR_SHARDER_JOBS_PARTITIONS", "6")
+    result = runner.invoke(app, ["service", "sharder"])
+    assert result.exit_code == 2 and CALLS == []  # the service never started
+    assert (
+        "CONVEYOR_SHARDER_JOBS_PARTITIONS is no longer read: set CONVEYOR_TOPOLOGY_JOBS_PARTITIONS"
+        in " ".join(result.stderr.split())
+    )
+
+
 def test_service_spec_rejects_malformed_entry() -> None:
     with pytest.raises(ValueError, match=r"pkg\.module:function"):
         registry.ServiceSpec(entry="conveyor.services.gateway")

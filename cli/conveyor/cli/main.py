@@ -8,6 +8,7 @@ Exit codes: 0 success, 1 failure or something down, 2 bad usage (unknown service
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from rich.markup import escape
 from conveyor.cli import jobs as cli_jobs
 from conveyor.cli.options import DEFAULT_STATE_DIR, JsonFlag, StateDir, err, fail, out
 from conveyor.embedded import registry
+from conveyor.platform.config import check_retired_env
 from conveyor.platform.errors import ConveyorError
 
 if TYPE_CHECKING:
@@ -252,7 +254,8 @@ def service(
     """Run one service in the foreground (what containers do); extra arguments go to it."""
     try:
         spec = registry.resolve(name)
-    except registry.UnknownServiceError as exc:
+        check_retired_env(os.environ)
+    except (registry.UnknownServiceError, ValueError) as exc:
         _fail(str(exc), code=2)
     entry = registry.load_entry(spec)
     raise typer.Exit(entry(list(ctx.args)) or 0)

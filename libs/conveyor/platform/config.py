@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,6 +25,29 @@ from pydantic_settings import (
 MiB = 1024 * 1024
 
 CONFIG_FILE_ENV = "CONVEYOR_CONFIG"
+
+
+RETIRED_ENV: dict[str, str] = {
+    "CONVEYOR_SHARDER_JOBS_PARTITIONS": "CONVEYOR_TOPOLOGY_JOBS_PARTITIONS",
+    "CONVEYOR_SHARDER_SHARDS_PARTITIONS": "CONVEYOR_TOPOLOGY_SHARDS_PARTITIONS",
+    "CONVEYOR_SHARDER_BATCHES_PARTITIONS_PER_TRAINER": (
+        "CONVEYOR_TOPOLOGY_BATCHES_PARTITIONS_PER_TRAINER"
+    ),
+    "CONVEYOR_SHARDER_MIN_BATCHES_PARTITIONS": "CONVEYOR_TOPOLOGY_MIN_BATCHES_PARTITIONS",
+    "CONVEYOR_GATEWAY_JOBS_PARTITIONS": "CONVEYOR_TOPOLOGY_JOBS_PARTITIONS",
+    "CONVEYOR_PREPROCESSOR_JOBS_PARTITIONS": "CONVEYOR_TOPOLOGY_JOBS_PARTITIONS",
+    "CONVEYOR_PREPROCESSOR_SHARDS_PARTITIONS": "CONVEYOR_TOPOLOGY_SHARDS_PARTITIONS",
+}
+"""Environment variables that are no longer read -> what replaced them. Unknown variables
+under a settings prefix are otherwise ignored silently; these would change nothing."""
+
+
+def check_retired_env(environ: Mapping[str, str]) -> None:
+    """ValueError naming every retired variable set in ``environ`` and its replacement."""
+    found = [f"{old} is no longer read: set {new}" for old, new in RETIRED_ENV.items()
+             if old in environ]  # fmt: skip
+    if found:
+        raise ValueError("; ".join(found))
 
 
 def worker_id_field(role: str) -> Any:
