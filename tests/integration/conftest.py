@@ -2,12 +2,14 @@
 into the object stores' uploads (the storage behaviour suite and the S3 specifics use it). The
 stack-wide fixtures, Kafka and the S3 endpoint, are in tests/conftest.py. Also: a count of the
 Fetch requests sent (the bus tests of readers that pause or rest), and an in-memory span
-exporter for the services' trace tests."""
+exporter for the services' trace tests, and the object-store ``backend`` (file and S3) of the
+suites that run against both."""
 
 from __future__ import annotations
 
 import errno
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from opentelemetry import trace
@@ -15,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
+from storage_backends import Backend, file_backend, s3_backend
 
 from conveyor.platform.storage.base import CHUNK_BYTES, HashingReader
 
@@ -69,3 +72,11 @@ def spans() -> Iterator[InMemorySpanExporter]:
     yield exporter
     provider.shutdown()
     trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+@pytest.fixture(params=["file", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "file":
+        return file_backend(tmp_path)
+    s3_server: dict[str, str] = request.getfixturevalue("s3_server")
+    return s3_backend(s3_server, request.getfixturevalue("s3_bucket"))

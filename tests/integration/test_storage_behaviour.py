@@ -7,77 +7,20 @@ Backend specifics are in test_storage_file.py, test_storage_s3.py and test_stora
 from __future__ import annotations
 
 import hashlib
-import io
-import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from storage_backends import S3_PREFIX, payload, pending_uploads, raw_client, s3_settings
+from storage_backends import S3_PREFIX, Backend, payload
 
 from conveyor.platform.storage import (
     ChecksumMismatch,
     ObjectNotFound,
-    ObjectStore,
     StorageError,
-    open_store,
     sha256_hex,
 )
 from conveyor.platform.storage.base import CHUNK_BYTES
-
-
-@dataclass
-class Backend:
-    """A store plus ways to reach behind its back."""
-
-    name: str
-    store: ObjectStore
-    corrupt: Callable[[str, bytes], None]
-    """Replace a key's content directly, keeping the checksum the store recorded."""
-    junk: Callable[[], list[str]]
-    """Leftovers of writes: temp files (file) or unfinished multipart uploads (S3)."""
-
-
-def file_backend(tmp_path: Path) -> Backend:
-    root = tmp_path / "store"
-
-    def corrupt(key: str, data: bytes) -> None:
-        # Bit rot: new bytes, same size and mtime, so only the checksum can tell.
-        path = root / key
-        before = path.stat()
-        assert len(data) == before.st_size
-        path.write_bytes(data)
-        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-
-    def junk() -> list[str]:
-        return sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
-
-    return Backend("file", open_store(f"file://{root}"), corrupt, junk)
-
-
-def s3_backend(s3_server: dict[str, str], bucket: str) -> Backend:
-    store = open_store(f"s3://{bucket}/{S3_PREFIX}", s3_settings(s3_server))
-    raw = raw_client(s3_server)
-
-    def corrupt(key: str, data: bytes) -> None:
-        name = f"{S3_PREFIX}/{key}"
-        old = raw.stat_object(bucket, name).metadata
-        assert old is not None
-        metadata: dict[str, str | list[str] | tuple[str]] = {"sha256": old["x-amz-meta-sha256"]}
-        raw.put_object(bucket, name, io.BytesIO(data), len(data), metadata=metadata)
-
-    return Backend("s3", store, corrupt, lambda: pending_uploads(s3_server, bucket))
-
-
-@pytest.fixture(params=["file", "s3"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
-    if request.param == "file":
-        return file_backend(tmp_path)
-    s3_server: dict[str, str] = request.getfixturevalue("s3_server")
-    return s3_backend(s3_server, request.getfixturevalue("s3_bucket"))
-
 
 # ---------------------------------------------------------------- behaviour suite
 

@@ -89,11 +89,20 @@ def test_s3_foreign_object_without_checksum(s3_server: dict[str, str], s3_bucket
     assert store.get_bytes("user.bin", expected_sha256=sha256_hex(b"abc")) == b"abc"
 
 
-def test_s3_missing_bucket_is_a_permanent_error(s3_server: dict[str, str]) -> None:
+def test_s3_missing_bucket_is_a_permanent_error_to_read(s3_server: dict[str, str]) -> None:
     store = open_store("s3://no-such-bucket-here", s3_settings(s3_server))
     with pytest.raises(StorageError, match="does not exist") as caught:
-        store.put_bytes("k", b"v")
+        store.get_bytes("k")
     assert not caught.value.retriable
+    assert not raw_client(s3_server).bucket_exists("no-such-bucket-here")
+
+
+def test_s3_first_write_creates_a_missing_bucket(s3_server: dict[str, str]) -> None:
+    store = open_store("s3://made-by-a-write/runs", s3_settings(s3_server))
+    info = store.put_bytes("k", b"v")
+    assert raw_client(s3_server).bucket_exists("made-by-a-write")
+    assert store.get_bytes("k", expected_sha256=info.sha256) == b"v"
+    assert open_store("s3://made-by-a-write/runs", s3_settings(s3_server)).list() == ["k"]
 
 
 @pytest.fixture

@@ -129,6 +129,32 @@ class SliceOptimizer:
         self.optimizer.step()
         self.param.grad = None
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the optimizer's state of this slice by name (``momentum_buffer``;
+        ``exp_avg``, ``exp_avg_sq`` and the scalar ``step`` of Adam/AdamW); empty before the
+        first step or for stateless SGD. The hyper-parameters are not state: they come from
+        the job spec and every step's StepClose."""
+        state = self.optimizer.state.get(self.param, {})
+        return {
+            name: value.detach().clone()
+            for name, value in state.items()
+            if isinstance(value, torch.Tensor)
+        }
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_tensors` returned, so the next step is bit-identical to
+        the one the saved optimizer would have taken. ValueError for a tensor whose size
+        does not match the slice (the scalar ``step`` aside)."""
+        for name, value in tensors.items():
+            if value.dim() > 0 and value.shape != self.param.shape:
+                raise ValueError(
+                    f"optimizer state {name!r} has shape {list(value.shape)}, "
+                    f"not the slice's {list(self.param.shape)}"
+                )
+        saved = self.optimizer.state_dict()
+        saved["state"] = {0: {name: value.clone() for name, value in tensors.items()}} if tensors else {}
+        self.optimizer.load_state_dict(saved)
+
 
 def lr_at(spec: LrScheduleSpec, base_lr: float, step: int, total_steps: int) -> float:
     """Learning rate of optimizer step ``step`` (0-based) of ``total_steps``.

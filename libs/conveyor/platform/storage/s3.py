@@ -55,7 +55,7 @@ _TRANSIENT_CODES = frozenset(
 
 
 class S3ObjectStore(ObjectStore):
-    """Objects ``<prefix><key>`` in ``bucket`` (which must exist)."""
+    """Objects ``<prefix><key>`` in ``bucket`` (created by the first write when missing)."""
 
     def __init__(
         self,
@@ -76,6 +76,7 @@ class S3ObjectStore(ObjectStore):
             raise ValueError(f"part_size_bytes must be within 5 MiB..5 GiB, got {part_size_bytes}")
         self._client = client
         self._bucket = bucket
+        self._bucket_ready = False
         self._prefix = prefix
         self._part_size_bytes = part_size_bytes
 
@@ -146,7 +147,22 @@ class S3ObjectStore(ObjectStore):
     def _name(self, key: str) -> str:
         return self._prefix + key
 
+    def _ensure_bucket(self) -> None:
+        """Create the bucket before this store's first write when it is missing (a fresh MinIO
+        has none); reads of a missing bucket stay errors."""
+        if self._bucket_ready:
+            return
+        with self._errors(None):
+            if not self._client.bucket_exists(self._bucket):
+                try:
+                    self._client.make_bucket(self._bucket)
+                except S3Error as exc:  # another writer created it meanwhile
+                    if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                        raise
+        self._bucket_ready = True
+
     def _put(self, key: str, data: BinaryIO | HashingReader, size_bytes: int, digest: str) -> None:
+        self._ensure_bucket()
         # Stay within S3's 10,000-part limit for very large objects.
         part_size = max(self._part_size_bytes, -(-size_bytes // _MAX_PARTS))
         with self._errors(key):
