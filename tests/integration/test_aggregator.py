@@ -166,10 +166,31 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     return summary
 
 
+FAILOVER_OPTIMIZERS: dict[str, dict[str, Any]] = {
+    # Stateless: an optimizer that restarted after the failover would go unnoticed.
+    "sgd": {"optimizer": SPEC["training"]["optimizer"]},
+    # Stateful: the new owner must rebuild the momentum buffer / Adam moments exactly, from a
+    # checkpoint and the log after it (every 2 steps: the failover lands between two), or
+    # from version 0 when no checkpoint precedes it.
+    "sgd-nesterov": {
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
+        "every_steps": 2,
+    },
+    "adam": {"optimizer": {"name": "adam", "lr": 0.01, "weight_decay": 1e-4}},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(FAILOVER_OPTIMIZERS))
 async def test_sync_two_slices_with_failover_matches_replay(
-    kafka: KafkaSettings, tmp_path: Path
+    kafka: KafkaSettings, tmp_path: Path, variant: str
 ) -> None:
-    ctx, dataset = await submit(kafka, SPEC)
+    options = FAILOVER_OPTIMIZERS[variant]
+    spec = {
+        **SPEC,
+        "training": {**SPEC["training"], "optimizer": options["optimizer"]},
+        "checkpoint": {"every_steps": options.get("every_steps")},
+    }
+    ctx, dataset = await submit(kafka, spec)
     epochs = ctx.spec.training.epochs
     per_step = ctx.spec.micro_batches_per_step
     stopped_at: int | None = None

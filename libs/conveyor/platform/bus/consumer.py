@@ -217,6 +217,20 @@ class Consumer(AsyncLifecycle):
         tp = TopicPartition(topic, partition)
         return fetch_position(consumer, tp), consumer.highwater(tp)
 
+    def low_water(self, topic: str, partition: int) -> int | None:
+        """The lowest offset of an assigned partition whose record this member has not
+        acknowledged (delivered and unacked, fetched and waiting, or not fetched yet): every
+        record below it was acknowledged, by this member or by the one it took the partition
+        from. None when the partition is not assigned or its position is not known yet."""
+        offsets = self._in_flight.partitions.get((topic, partition))
+        if offsets is None:
+            return None
+        candidates = [offsets.lowest_unacked, self._in_flight.positions().get((topic, partition))]
+        if offsets.next_offset is None and self._consumer is not None:
+            candidates.append(fetch_position(self._consumer, TopicPartition(topic, partition)))
+        known = [c for c in candidates if c is not None]
+        return min(known) if known else None
+
     def lag(self, topic_kind: str | None = None) -> int:
         """Records not yet delivered to the application, summed over assigned partitions
         (high-water mark - position; partitions not fetched yet count 0). ``topic_kind``

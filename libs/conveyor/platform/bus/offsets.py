@@ -35,6 +35,11 @@ class PartitionOffsets:
         return len(self._unacked)
 
     @property
+    def lowest_unacked(self) -> int | None:
+        """The lowest delivered offset not acknowledged yet (None: all are)."""
+        return min(self._unacked, default=None)
+
+    @property
     def needs_commit(self) -> bool:
         """True when the commit point moved past what was last committed."""
         return self.commit_offset is not None and self.commit_offset != self.committed_offset

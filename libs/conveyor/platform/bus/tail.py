@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -57,8 +58,9 @@ class TopicTail(AsyncLifecycle):
     """Reads every partition of ``topic`` without a group; ``async with`` starts and stops it.
 
     ``start`` positions each partition at its first record (``start="beginning"``) or at its
-    last one (``"last"``: end - 1; an empty partition from its start) and captures the end
-    offsets of that moment: :attr:`caught_up` turns True once every partition was read up to
+    last one (``"last"``: end - 1; an empty partition from its start); ``offsets`` instead
+    reads only the partitions it names, each from the offset given (or its first record when
+    that is older). The end offsets of that moment are captured: :attr:`caught_up` turns True once every partition was read up to
     them (the replay is over). A record that does not decode is logged, counted and skipped
     (a reader does not write the dead-letter topic: every reader would add a copy).
     Broker failures raise :class:`BusError` (:class:`BusUnavailable` when retriable).
@@ -70,6 +72,7 @@ class TopicTail(AsyncLifecycle):
         topic: str,
         *,
         start: Start = "beginning",
+        offsets: Mapping[int, int] | None = None,
         limits: CodecLimits | None = None,
     ) -> None:
         if start not in ("beginning", "last"):
@@ -77,6 +80,7 @@ class TopicTail(AsyncLifecycle):
         self._settings = settings
         self.topic = topic
         self._start = start
+        self._offsets = dict(offsets) if offsets is not None else None
         self._limits = limits or CodecLimits(max_message_bytes=settings.max_message_bytes)
         self._consumer: AIOKafkaConsumer | None = None
         self._assigned: list[TopicPartition] = []
@@ -108,13 +112,20 @@ class TopicTail(AsyncLifecycle):
             partitions = sorted(consumer.partitions_for_topic(self.topic) or ())
             if not partitions:
                 raise BusError(f"topic {self.topic} has no partitions (was it created?)")
+            if self._offsets is not None:
+                if unknown := set(self._offsets) - set(partitions):
+                    raise BusError(f"topic {self.topic} has no partitions {sorted(unknown)}")
+                partitions = sorted(self._offsets)
             assigned = [TopicPartition(self.topic, p) for p in partitions]
             consumer.assign(assigned)
             firsts = await consumer.beginning_offsets(assigned)
             ends = await consumer.end_offsets(assigned)
             for tp in assigned:
                 first = firsts[tp]
-                offset = first if self._start == "beginning" else max(first, ends[tp] - 1)
+                if self._offsets is not None:
+                    offset = max(first, self._offsets[tp.partition])
+                else:
+                    offset = first if self._start == "beginning" else max(first, ends[tp] - 1)
                 consumer.seek(tp, offset)
                 self._positions[tp.partition] = offset
         except KafkaError as exc:

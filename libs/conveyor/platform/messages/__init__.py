@@ -65,6 +65,9 @@ from conveyor.platform.messages.job_events import (
     COORDINATOR_WORKER_ID,
     TERMINAL_EVENTS,
     CancelRequested,
+    CheckpointCommitted,
+    CheckpointFailed,
+    CheckpointUnusable,
     CoordinatorProgress,
     EpochCompleted,
     JobCancelled,
@@ -80,11 +83,13 @@ from conveyor.platform.messages.job_events import (
 # isort: split
 from conveyor.platform.messages.gradient_plane import (
     AppliedContribution,
+    CheckpointRequest,
     Contribution,
     EvalResult,
     GradSlice,
     ParamSlice,
     Rejection,
+    SliceSaved,
     StepClose,
 )
 
@@ -96,6 +101,10 @@ __all__ = [
     "AppliedContribution",
     "Batch",
     "CancelRequested",
+    "CheckpointCommitted",
+    "CheckpointFailed",
+    "CheckpointRequest",
+    "CheckpointUnusable",
     "Contribution",
     "CoordinatorProgress",
     "DeadLetter",
@@ -117,6 +126,7 @@ __all__ = [
     "Record",
     "Rejection",
     "ShardTask",
+    "SliceSaved",
     "StepClose",
     "TopicSpec",
     "Topics",

@@ -98,7 +98,7 @@ class AppliedContribution(Record):
             )
 
 
-@message("StepClose", version=3)
+@message("StepClose", version=4)
 @dataclass(kw_only=True, slots=True)
 class StepClose(Message):
     """The coordinator's decision, on ``Topics.control(job_id)``: version ``version`` is the
@@ -129,6 +129,11 @@ class StepClose(Message):
     """SGD momentum of this step; None: the job's. Bounded staleness damps it by the
     staleness of the step's gradient (:func:`conveyor.training.optim.staleness_momentum`).
     Added in version 2."""
+    checkpoint: str | None = None
+    """Why the job is checkpointed at this version (``every_steps``, ``every_s``,
+    ``epoch_end``, ``request``, ``job_end``); None: it is not. Each slice owner saves its
+    slice's state right after applying it and announces it with a :class:`SliceSaved`.
+    Added in version 4."""
 
 
 @message("Rejection", version=1)
@@ -189,3 +194,43 @@ class EvalResult(Message):
     """Correct predictions."""
     num_samples: int
     """Samples evaluated."""
+
+
+@message("CheckpointRequest", version=1)
+@dataclass(kw_only=True, slots=True)
+class CheckpointRequest(Message):
+    """Asks for a checkpoint at the next step, on ``Topics.control(job_id)``: the gateway
+    (``POST /v1/jobs/{id}/checkpoints``) and the checkpointer (its ``every_s`` timer) send it;
+    the coordinator marks the next StepClose (``checkpoint="request"`` or ``"every_s"``)."""
+
+    job_id: str
+    """Id of the job."""
+    reason: str
+    """``request`` (a user asked) or ``every_s`` (the timer)."""
+    requested_at: float
+    """Unix seconds."""
+
+
+@message("SliceSaved", version=1)
+@dataclass(kw_only=True, slots=True)
+class SliceSaved(Message):
+    """A slice owner wrote (or failed to write) its slice's state at a checkpointed version,
+    on ``Topics.control(job_id)``; the checkpointer commits the checkpoint once every slice of
+    the version is saved."""
+
+    job_id: str
+    """Id of the job."""
+    version: int
+    """The checkpointed version."""
+    slice_index: int
+    """Which slice."""
+    key: str
+    """Object key of the state file (relative to the job's store); empty on failure."""
+    size_bytes: int
+    """Bytes of the file."""
+    sha256: str
+    """Its sha256 (lowercase hex)."""
+    grads_offset: int
+    """Lowest grads-partition offset versions after this one may need (replay start)."""
+    error: str | None = None
+    """Why the write failed (the checkpoint of this version cannot be committed)."""

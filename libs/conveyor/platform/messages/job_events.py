@@ -275,5 +275,59 @@ class JobCancelled(JobEvent):
     """The process that stopped it, when it has a worker id."""
 
 
+@message("CheckpointCommitted", version=1)
+@dataclass(kw_only=True, slots=True)
+class CheckpointCommitted(JobEvent):
+    """The checkpointer committed a checkpoint of the job (its manifest is written)."""
+
+    EVENT: ClassVar[str] = "checkpoint"
+
+    version: int
+    """Parameter version it holds."""
+    step: int
+    """Optimizer steps with samples up to that version."""
+    trigger: str
+    """Why it was taken (``every_steps``, ``every_s``, ``epoch_end``, ``request``,
+    ``job_end``)."""
+    uri: str
+    """URI of its manifest."""
+    size_bytes: int
+    """Bytes of its files."""
+    seconds: float
+    """From the StepClose that asked for it to the commit."""
+
+
+@message("CheckpointFailed", version=1)
+@dataclass(kw_only=True, slots=True)
+class CheckpointFailed(JobEvent):
+    """A checkpoint could not be committed (a slice write or the commit failed); the job goes
+    on and its previous checkpoint stays the latest."""
+
+    EVENT: ClassVar[str] = "checkpoint_failed"
+
+    version: int
+    """The version that was to be checkpointed."""
+    reason: str
+    """Why, for people."""
+
+
+@message("CheckpointUnusable", version=1)
+@dataclass(kw_only=True, slots=True)
+class CheckpointUnusable(JobEvent):
+    """A checkpoint was found torn or corrupt when loading it; an older one (or none) was
+    used instead."""
+
+    EVENT: ClassVar[str] = "checkpoint_unusable"
+
+    version: int
+    """The checkpoint that could not be used."""
+    reason: str
+    """What is wrong with it (the file and the check that failed)."""
+    used_version: int | None
+    """The checkpoint used instead (None: none was good; the job started over)."""
+    worker_id: str
+    """The process that found it."""
+
+
 TERMINAL_EVENTS: tuple[type[JobEvent], ...] = (JobCompleted, JobFailed, JobCancelled)
 """Events after which nothing more happens to a job."""

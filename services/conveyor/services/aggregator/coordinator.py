@@ -41,11 +41,13 @@ from dataclasses import dataclass, field
 
 from conveyor.platform.messages import (
     AppliedContribution,
+    CheckpointRequest,
     Contribution,
     EvalResult,
     Heartbeat,
     Message,
     Rejection,
+    SliceSaved,
     StepClose,
 )
 from conveyor.services.aggregator.epochs import EpochBook
@@ -131,6 +133,10 @@ class Coordinator:
         self._applied_batches: set[str] = set()
         self._awaiting_version: int | None = None
         self._awaiting_rejections: set[str] = set()
+        self._requested_checkpoint: str | None = None
+        """Reason of a CheckpointRequest folded since the last checkpointed StepClose."""
+        self.saved: dict[int, dict[int, SliceSaved]] = {}
+        """Checkpointed version -> slice -> its SliceSaved (the first one of each slice)."""
 
     # -- folding the log -------------------------------------------------------------------
 
@@ -150,6 +156,10 @@ class Coordinator:
                 self.rejected += 1
         elif isinstance(message, EvalResult):
             self.epochs.evaluated(message, self.config.job_id)
+        elif isinstance(message, CheckpointRequest):
+            self._requested_checkpoint = message.reason
+        elif isinstance(message, SliceSaved):
+            self.saved.setdefault(message.version, {}).setdefault(message.slice_index, message)
 
     def _fold_contribution(self, contribution: Contribution) -> None:
         self.members.seen(contribution.worker_id, contribution.sent_at)
@@ -181,6 +191,8 @@ class Coordinator:
             if contribution is not None:
                 loss_sum += contribution.loss_sum
             self.max_staleness = max(self.max_staleness, entry.staleness)
+        if close.checkpoint is not None:
+            self._requested_checkpoint = None
         self._applied_batches.update(close.batch_ids)
         self.epochs.applied(close.batch_ids, close.version)
         if close.num_samples > 0:
@@ -207,6 +219,15 @@ class Coordinator:
     @property
     def applied_train_batches(self) -> int:
         return self.epochs.applied_train_batches
+
+    def checkpoint_answered(self, version: int) -> bool:
+        """Whether every slice announced its state of checkpointed ``version`` (saved or
+        failed)."""
+        return len(self.saved.get(version, {})) >= self.config.spec.distribution.aggregator_shards
+
+    def last_checkpointed_version(self) -> int | None:
+        """The newest version whose StepClose asks for a checkpoint."""
+        return max((v for v, c in self.closes.items() if c.checkpoint is not None), default=None)
 
     @property
     def consumed_batches(self) -> int:
@@ -340,18 +361,38 @@ class Coordinator:
         batch_ids = [b for c in included for b in c.batch_ids]
         staleness = max((self.version - c.base_version for c in included), default=0)
         epochs = [parse_batch_id(b).epoch for b in batch_ids]
+        num_samples = sum(c.num_samples for c in included)
         return StepClose(
             job_id=self.config.job_id,
             version=self.version + 1,
             contributions=[_entry(c, self.version - c.base_version) for c in included],
             batch_ids=batch_ids,
-            num_samples=sum(c.num_samples for c in included),
+            num_samples=num_samples,
             epoch=min(epochs, default=self.current_epoch),
             lr=self._lr(),
             allocation=self.allocation(now),
             closed_at=now,
             momentum=self._momentum(staleness),
+            checkpoint=self._checkpoint_reason(batch_ids, num_samples),
         )
+
+    def _checkpoint_reason(self, batch_ids: list[str], num_samples: int) -> str | None:
+        """Why the version being closed is checkpointed (None: it is not): the job's end, an
+        epoch's end, every ``checkpoint.every_steps`` steps, or a request folded since the
+        last checkpoint, in that order of precedence."""
+        training = self.config.spec.training
+        ended = self.epochs.would_end(batch_ids)
+        max_steps = training.max_steps
+        if (max_steps is not None and self.version + 1 >= max_steps) or (
+            training.epochs - 1 in ended
+        ):
+            return "job_end"
+        if ended:
+            return "epoch_end"
+        every = self.config.spec.checkpoint.every_steps
+        if every is not None and num_samples > 0 and (self.steps + 1) % every == 0:
+            return "every_steps"
+        return self._requested_checkpoint
 
     def _momentum(self, staleness: int) -> float | None:
         """The step's SGD momentum when the aggregator runs one and the gradient is stale."""

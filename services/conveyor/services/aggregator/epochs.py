@@ -63,6 +63,19 @@ class EpochBook:
             if count == self.train_batches:
                 self.end_version[ref.epoch] = version
 
+    def would_end(self, batch_ids: list[str]) -> list[int]:
+        """The epochs whose last train batches are among ``batch_ids`` (not applied yet)."""
+        counts: dict[int, int] = {}
+        for batch_id in batch_ids:
+            ref = parse_batch_id(batch_id)
+            if ref.split == "train":
+                counts[ref.epoch] = counts.get(ref.epoch, 0) + 1
+        return sorted(
+            epoch
+            for epoch, n in counts.items()
+            if self._applied.get(epoch, 0) < self.train_batches <= self._applied.get(epoch, 0) + n
+        )
+
     def train_loss(self, epoch: int, loss_sum: float, samples: int) -> None:
         tally = self._train_loss.setdefault(epoch, [0.0, 0])
         tally[0] += loss_sum

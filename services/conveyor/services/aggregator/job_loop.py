@@ -14,9 +14,15 @@ Three tasks share the job's state::
 
 GradSlice records are acknowledged (committed) only once the ParamSlice of the version that
 applied them is acknowledged by the broker, or when no future version can apply them; so the
-next owner of a partition after a failover rebuilds from the last ParamSlice and gets every
-GradSlice it still needs again. Its optimizer state restarts (momentum, Adam moments) until
-the checkpointer issue saves it.
+next owner of a partition after a failover gets every GradSlice it still needs again, and it
+rebuilds the slice's exact state, optimizer included, from the latest checkpoint and the log
+after it (:mod:`.restore`).
+
+Checkpoints: when a StepClose asks for one (``StepClose.checkpoint``), each owner copies its
+slice's state right after applying it (in the step's thread), publishes the ParamSlice as
+usual and writes the copy to the object store in the background (at most
+``max_pending_saves`` writes at once per job), then announces it with a ``SliceSaved``; the
+checkpointer commits the checkpoint once every slice is announced.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -40,8 +47,15 @@ from conveyor.platform.bus import (
     TopicTail,
 )
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import GradSlice, ParamSlice, StepClose, Topics
-from conveyor.platform.storage import ObjectStore
+from conveyor.platform.messages import (
+    CheckpointUnusable,
+    GradSlice,
+    ParamSlice,
+    SliceSaved,
+    StepClose,
+    Topics,
+)
+from conveyor.platform.storage import ObjectStore, StorageError
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
@@ -49,7 +63,15 @@ from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.params import last_param_slices
+from conveyor.services.aggregator.restore import restore_slice
 from conveyor.services.aggregator.slice_owner import SliceOwner
+from conveyor.training.checkpoint import (
+    CheckpointStore,
+    Skipped,
+    SliceState,
+    decode_slice,
+    slice_key,
+)
 from conveyor.training.compression import CompressionError
 from conveyor.training.jobhost import JobFailure
 from conveyor.training.optim import aggregator_optimizer
@@ -57,6 +79,9 @@ from conveyor.training.optim import aggregator_optimizer
 logger = logging.getLogger(__name__)
 
 _CONTROL_POLL_S = 0.2
+_MAX_PENDING_SAVES = 2
+"""Slice-state writes in flight per job; a step waits for one to end beyond that (each holds a
+copy of a slice in memory)."""
 _STALL_WARN_S = 5.0
 """A slice whose next StepClose is folded but not applied for this long is logged (with
 what it waits for), again every such period."""
@@ -85,6 +110,8 @@ class JobAggregator:
         self.producer = producer
         self.metrics = metrics
         self.topics = Topics(kafka.topic_prefix)
+        self._folded = asyncio.Event()
+        """Set whenever control records were folded (waiters clear it, then check)."""
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 job_id=ctx.job_id,
@@ -104,6 +131,7 @@ class JobAggregator:
             store=store,
             metrics=metrics,
             reported=reported,
+            folded=self._folded,
         )
         self.owners: dict[int, SliceOwner[Received]] = {}
         """The slices this process owns now (its grads partitions), by slice index."""
@@ -120,6 +148,10 @@ class JobAggregator:
         self._tracer = trace.get_tracer(__name__)
         self._grads_topic = self.topics.grads(ctx.job_id)
         self._params_topic = self.topics.params(ctx.job_id)
+        self._control_topic = self.topics.control(ctx.job_id)
+        self.checkpoints = CheckpointStore(store, ctx.job_id)
+        self._saves: set[asyncio.Task[None]] = set()
+        self._reported_unusable: set[int] = set()
 
     @property
     def coordinating(self) -> bool:
@@ -150,6 +182,10 @@ class JobAggregator:
             finally:
                 await self.leader.stop()
                 self.owners.clear()
+                for task in self._saves:
+                    task.cancel()
+                if self._saves:
+                    await asyncio.wait(self._saves)
 
     # -- readers -----------------------------------------------------------------------------
 
@@ -161,6 +197,7 @@ class JobAggregator:
                 self.coordinator.fold(record.message)
             if records:
                 self._wake.set()
+                self._folded.set()
             else:
                 self._drained_at = started
 
@@ -282,25 +319,136 @@ class JobAggregator:
 
     async def _open_slice(self, index: int, grads: Consumer) -> None:
         start, stop = self.ctx.bounds[index]
+        optimizer = aggregator_optimizer(self.ctx.spec)
         last = (await last_param_slices(self.kafka, self._params_topic)).get(index)
-        if last is not None:
-            values, version = last.values, last.version
-            if values.numel() != stop - start:
-                raise JobFailure(f"ParamSlice {index}: {values.numel()} values, not {stop - start}")
+        if last is None:
+            state = SliceState(slice_index=index, version=0, values=self.ctx.initial[start:stop],
+                               optimizer={}, grads_offset=0)  # fmt: skip
+            await self._publish(index, 0, state.values.clone())
         else:
-            values, version = self.ctx.initial[start:stop], 0
-            await self._publish(index, version, values.clone())
+            if last.values.numel() != stop - start:
+                raise JobFailure(
+                    f"ParamSlice {index}: {last.values.numel()} values, not {stop - start}"
+                )
+            restored = await restore_slice(
+                kafka=self.kafka,
+                grads_topic=self._grads_topic,
+                index=index,
+                initial=self.ctx.initial[start:stop],
+                last=last,
+                optimizer=optimizer,
+                checkpoints=self.checkpoints,
+                closes=self._closes_through,
+            )
+            await self._report_unusable(restored.skipped, restored.checkpoint_version)
+            state = restored.state
+            logger.info("job %s: slice %d restored at version %d from %s + %d replayed versions "
+                        "(optimizer state %s)", self.ctx.job_id, index, state.version,
+                        f"checkpoint v{restored.checkpoint_version}"
+                        if restored.checkpoint_version is not None else "version 0",
+                        restored.replayed, "exact" if restored.exact else "restarted")  # fmt: skip
         # In a thread: building the first torch optimizer of a process imports for seconds.
-        self.owners[index] = await asyncio.to_thread(
+        owner = await asyncio.to_thread(
             SliceOwner[Received],
             slice_index=index,
-            values=values,
-            version=version,
-            optimizer=aggregator_optimizer(self.ctx.spec),
+            values=state.values,
+            version=state.version,
+            optimizer=optimizer,
+            optimizer_state=state.optimizer,
         )
-        logger.info("job %s: serving slice %d from version %d", self.ctx.job_id, index, version)
+        self.owners[index] = owner
+        logger.info(
+            "job %s: serving slice %d from version %d", self.ctx.job_id, index, owner.version
+        )
+        await self._save_again_if_lost(owner, grads)
         for received in self._early.pop(index, []):
             self._on_grad(received, grads)
+
+    async def _closes_through(self, version: int) -> list[StepClose]:
+        """StepCloses 1..version, once the control log is folded that far."""
+        while True:
+            self._folded.clear()  # before the check: a fold after it sets it again
+            if self.coordinator.version >= version:
+                break
+            await self._folded.wait()
+        return [self.coordinator.closes[v] for v in range(1, version + 1)]
+
+    async def _save_again_if_lost(self, owner: SliceOwner[Received], grads: Consumer) -> None:
+        """A previous owner that died between applying a checkpointed version and announcing
+        its slice left the checkpoint without it: announce the file it wrote, or write it."""
+        close = self.coordinator.closes.get(owner.version)
+        if close is None or close.checkpoint is None:
+            return
+        await asyncio.sleep(_CONTROL_POLL_S)  # the announcement may be just behind the close
+        if owner.slice_index in self.coordinator.saved.get(owner.version, {}):
+            return
+        key = slice_key(self.ctx.job_id, owner.version, owner.slice_index)
+        try:
+            written = await asyncio.to_thread(self.checkpoints.store.exists, key)
+            if written:
+                state = await asyncio.to_thread(self._read_own_slice, key)
+                await self._announce(
+                    state, await asyncio.to_thread(self.checkpoints.store.info, key)
+                )
+                return
+        except (StorageError, ValueError) as exc:
+            logger.warning("job %s: slice %d v%d: %s; writing it again",
+                           self.ctx.job_id, owner.slice_index, owner.version, exc)  # fmt: skip
+        offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
+        await self._start_save(owner.snapshot(offset))
+
+    def _read_own_slice(self, key: str) -> SliceState:
+        return decode_slice(self.checkpoints.store.get_bytes(key))
+
+    async def _report_unusable(self, skipped: list[Skipped], used: int | None) -> None:
+        for entry in skipped:
+            if entry.version in self._reported_unusable:
+                continue
+            self._reported_unusable.add(entry.version)
+            await self.producer.publish(self.topics.jobs, CheckpointUnusable(
+                job_id=self.ctx.job_id, version=entry.version, reason=entry.reason,
+                used_version=used, worker_id=self.settings.worker_id,
+            ), key=self.ctx.job_id)  # fmt: skip
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    async def _start_save(self, state: SliceState) -> None:
+        while len(self._saves) >= _MAX_PENDING_SAVES:
+            await asyncio.wait(self._saves, return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.create_task(
+            self._save(state), name=f"save.{self.ctx.job_id}.{state.slice_index}"
+        )
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def _save(self, state: SliceState) -> None:
+        """Write one slice's state and announce it (or announce the failure: the job goes on,
+        and the checkpointer reports that this version cannot be committed)."""
+        started = time.monotonic()
+        try:
+            entry = await asyncio.to_thread(self.checkpoints.write_slice, state)
+        except StorageError as exc:
+            logger.warning("job %s: saving slice %d v%d failed: %s",
+                           self.ctx.job_id, state.slice_index, state.version, exc)  # fmt: skip
+            await self._publish_saved(state, key="", size_bytes=0, sha256="", error=str(exc))
+            return
+        self.metrics.checkpoint_write_seconds.observe(time.monotonic() - started)
+        await self._publish_saved(state, key=entry.key, size_bytes=entry.size_bytes,
+                                  sha256=entry.sha256)  # fmt: skip
+
+    async def _announce(self, state: SliceState, info: Any) -> None:
+        await self._publish_saved(
+            state, key=info.key, size_bytes=info.size_bytes, sha256=info.sha256
+        )
+
+    async def _publish_saved(
+        self, state: SliceState, *, key: str, size_bytes: int, sha256: str, error: str | None = None
+    ) -> None:
+        await self.producer.publish(self._control_topic, SliceSaved(
+            job_id=self.ctx.job_id, version=state.version, slice_index=state.slice_index,
+            key=key, size_bytes=size_bytes, sha256=sha256, grads_offset=state.grads_offset,
+            error=error,
+        ))  # fmt: skip
 
     async def _advance(self, owner: SliceOwner[Received], grads: Consumer) -> None:
         """Apply every StepClose the owner can apply now, in version order."""
@@ -309,6 +457,7 @@ class JobAggregator:
             if close is None or owner.missing(close):
                 return
             started = time.monotonic()
+            offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
             slices, records = owner.take(close)
             links = _links(records)
             with self._tracer.start_as_current_span(
@@ -325,9 +474,12 @@ class JobAggregator:
                 self._engine_doing = (
                     f"applying version {close.version} to slice {owner.slice_index}"
                 )
-                values = await asyncio.to_thread(_step, owner, close, slices)
+                values, saved = await asyncio.to_thread(_step, owner, close, slices, offset)
                 self._engine_doing = f"publishing ParamSlice {owner.slice_index} v{close.version}"
                 await self._publish(owner.slice_index, close.version, values)
+            if saved is not None:
+                # After the ParamSlice: a committed checkpoint never runs ahead of the log.
+                await self._start_save(saved)
             for received in records:
                 grads.ack(received)
             for received in owner.drop_dead(self.coordinator.staleness_bound):
@@ -346,12 +498,17 @@ class JobAggregator:
         await self.producer.publish(self._params_topic, message, key=str(index), partition=index)
 
 
-def _step(owner: SliceOwner[Received], close: StepClose, slices: list[GradSlice]) -> torch.Tensor:
+def _step(
+    owner: SliceOwner[Received], close: StepClose, slices: list[GradSlice], grads_offset: int
+) -> tuple[torch.Tensor, SliceState | None]:
+    """Apply ``close``; the new values, and the slice's state when the close asks for a
+    checkpoint (copied here, before any later step can change it)."""
     try:
         owner.step(close, slices)
     except CompressionError as exc:
         raise JobFailure(f"version {close.version}, slice {owner.slice_index}: {exc}") from exc
-    return owner.values.clone()
+    saved = owner.snapshot(grads_offset) if close.checkpoint is not None else None
+    return owner.values.clone(), saved
 
 
 def _links(records: list[Received]) -> list[Link]:

@@ -29,6 +29,7 @@ from conveyor.services.aggregator.epochs import EpochResult
 from conveyor.services.aggregator.finish import final_params, summarise, write_outputs
 from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.metrics import AggregatorMetrics, rejection_label
+from conveyor.training.checkpoint import manifest_key
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class Leader:
         store: ObjectStore,
         metrics: AggregatorMetrics,
         reported: Callable[[int], bool],
+        folded: asyncio.Event,
     ) -> None:
+        """``folded``: set whenever control records are folded into ``coordinator``."""
         self.ctx = ctx
         self.coordinator = coordinator
         self.settings = settings
@@ -58,6 +61,7 @@ class Leader:
         self.store = store
         self.metrics = metrics
         self.reported = reported
+        self._folded = folded
         self.completed = False
         self._completion: asyncio.Task[None] | None = None
         self._announced: set[int] = set()
@@ -161,11 +165,35 @@ class Leader:
         )
         uri = await asyncio.to_thread(write_outputs, self.store, self.ctx, flat, c)
         summary = summarise(c, uri)
+        summary["last_checkpoint"] = await self._final_checkpoint()
         await self._publish(
             JobCompleted(job_id=self.ctx.job_id, summary=summary, worker_id=self.settings.worker_id)
         )
         self.completed = True
         logger.info("job %s: completed: %s", self.ctx.job_id, summary)
+
+    async def _final_checkpoint(self) -> str | None:
+        """Wait (up to ``export_timeout_s``) until every slice announced its state of the
+        job's last checkpointed version, so the checkpointer can commit it before the job's
+        topics go; the URI its manifest gets (None: no checkpoint, or a slice failed)."""
+        c = self.coordinator
+        version = c.last_checkpointed_version()
+        if version is None:
+            return None
+        try:
+            async with asyncio.timeout(self.settings.export_timeout_s):
+                while True:
+                    self._folded.clear()  # before the check: a fold after it sets it again
+                    if c.checkpoint_answered(version):
+                        break
+                    await self._folded.wait()
+        except TimeoutError:
+            logger.warning("job %s: the slices of checkpoint v%d were not all saved in %.0f s",
+                           self.ctx.job_id, version, self.settings.export_timeout_s)  # fmt: skip
+            return None
+        if any(saved.error for saved in c.saved[version].values()):
+            return None
+        return self.store.uri_for(manifest_key(self.ctx.job_id, version))
 
     async def _publish(self, event: JobEvent) -> None:
         await self.producer.publish(self.topics.jobs, event, key=self.ctx.job_id)

@@ -50,3 +50,9 @@ class AggregatorMetrics:
         self.served_jobs = gauge(
             "aggregator", "served_jobs", "Jobs whose gradient plane this process serves."
         )
+        self.checkpoint_write_seconds = histogram(
+            "aggregator",
+            "checkpoint_write_seconds",
+            "Writing one slice's state of a checkpoint to the object store.",
+            buckets=LATENCY_BUCKETS_S,
+        )

@@ -23,6 +23,7 @@ from typing import Generic, TypeVar
 import torch
 
 from conveyor.platform.messages import GradSlice, StepClose
+from conveyor.training.checkpoint import SliceState
 from conveyor.training.compression import CompressionError, decode_slice
 from conveyor.training.jobspec import OptimizerSpec
 from conveyor.training.optim import SliceOptimizer
@@ -50,12 +51,17 @@ class SliceOwner(Generic[R]):
         values: torch.Tensor,
         version: int,
         optimizer: OptimizerSpec,
+        optimizer_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``optimizer_state``: the optimizer's state at ``version`` (from a checkpoint);
+        None: a fresh optimizer."""
         self.slice_index = slice_index
         self.version = version
         """The version ``values`` are at."""
         self.numel = values.numel()
         self._optimizer = SliceOptimizer(optimizer, values)
+        if optimizer_state:
+            self._optimizer.load_state_tensors(optimizer_state)
         self._buffer: dict[str, Buffered[R]] = {}
 
     @property
@@ -130,6 +136,17 @@ class SliceOwner(Generic[R]):
                 total += _dense(grad)
             self._optimizer.step(total / close.num_samples, close.lr, close.momentum)
         self.version = close.version
+
+    def snapshot(self, grads_offset: int) -> SliceState:
+        """A copy of the slice's state at :attr:`version` (parameters and optimizer state)
+        for a checkpoint; ``grads_offset``: the lowest grads offset later versions may need."""
+        return SliceState(
+            slice_index=self.slice_index,
+            version=self.version,
+            values=self.values.clone(),
+            optimizer=self._optimizer.state_tensors(),
+            grads_offset=grads_offset,
+        )
 
     def drop_dead(self, staleness_bound: int) -> list[R]:
         """Forget slices no future version can apply (``base_version < version - bound``: a
