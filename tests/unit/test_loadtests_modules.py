@@ -27,8 +27,6 @@ def test_the_codec_benchmark_runs_as_a_module_and_prints_its_ratio_last() -> Non
 
 def test_no_loadtest_edits_sys_path() -> None:
     offenders = [
-        path.name
-        for path in (ROOT / "loadtests").glob("*.py")
-        if "sys.path" in path.read_text()
+        path.name for path in (ROOT / "loadtests").glob("*.py") if "sys.path" in path.read_text()
     ]
     assert offenders == []

@@ -57,8 +57,9 @@ def close(
         job_id=JOB,
         version=version,
         contributions=[
-            AppliedContribution(contribution_id=c, worker_id=w, base_version=version - 1,
-                                num_samples=1, staleness=0)
+            AppliedContribution(
+                contribution_id=c, worker_id=w, base_version=version - 1, num_samples=1, staleness=0
+            )
             for c, w in contributions
         ],
         batch_ids=batch_ids,

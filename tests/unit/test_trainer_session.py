@@ -120,5 +120,3 @@ def test_cuda_demanded_without_cuda_fails_the_job() -> None:
         prepare_job(
             job({**SPEC, "resources": {"device": "cuda"}}), TrainerSettings(worker_id="w"), TOPICS
         )
-
-

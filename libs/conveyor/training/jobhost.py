@@ -279,4 +279,3 @@ class JobHostService(Service, Generic[Prepared]):
             if failure is not None:
                 logger.error("%s failed while stopping", task.get_name(), exc_info=failure)
         self._tasks.clear()
-

@@ -152,7 +152,8 @@ class SliceOptimizer:
                     f"not the slice's {list(self.param.shape)}"
                 )
         saved = self.optimizer.state_dict()
-        saved["state"] = {0: {name: value.clone() for name, value in tensors.items()}} if tensors else {}
+        state = {name: value.clone() for name, value in tensors.items()}
+        saved["state"] = {0: state} if state else {}
         self.optimizer.load_state_dict(saved)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -60,9 +60,10 @@ class TopicTail(AsyncLifecycle):
     ``start`` positions each partition at its first record (``start="beginning"``) or at its
     last one (``"last"``: end - 1; an empty partition from its start); ``offsets`` instead
     reads only the partitions it names, each from the offset given (or its first record when
-    that is older). The end offsets of that moment are captured: :attr:`caught_up` turns True once every partition was read up to
-    them (the replay is over). A record that does not decode is logged, counted and skipped
-    (a reader does not write the dead-letter topic: every reader would add a copy).
+    that is older). The end offsets of that moment are captured: :attr:`caught_up` turns True
+    once every partition was read up to them (the replay is over). A record that does not
+    decode is logged, counted and skipped (a reader does not write the dead-letter topic:
+    every reader would add a copy).
     Broker failures raise :class:`BusError` (:class:`BusUnavailable` when retriable).
     """
 

@@ -93,8 +93,7 @@ class AppliedContribution(Record):
     def __post_init__(self) -> None:
         if self.num_samples < 0 or self.staleness < 0:
             raise ValueError(
-                f"num_samples and staleness must be >= 0, got {self.num_samples}, "
-                f"{self.staleness}"
+                f"num_samples and staleness must be >= 0, got {self.num_samples}, {self.staleness}"
             )
 
 

@@ -172,9 +172,7 @@ class GatewayService(Service):
     async def _publish_submitted(
         self, job_id: str, spec: dict[str, Any], idempotency_key: str | None
     ) -> JobView:
-        await self._publish(
-            JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key)
-        )
+        await self._publish(JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key))
         job = self.view.get(job_id)
         assert job is not None, "the view applied the submitted event"
         return job

@@ -98,9 +98,9 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
     try:
         device = resolve_device(settings.device or spec.resources.device)
         apply_resources(spec.resources, device)
-        model = build_job_model(
-            spec, num_classes=plan.num_classes, sample_shape=plan.shape
-        ).to(device)
+        model = build_job_model(spec, num_classes=plan.num_classes, sample_shape=plan.shape).to(
+            device
+        )
         layout = ParamLayout.from_model(model)
         bounds = layout.slice_bounds(spec.distribution.aggregator_shards)
         normalizer = Normalizer(spec.preprocess.normalize, plan.shape[0], device)
