@@ -21,6 +21,7 @@ from aggregator_peer import Peer
 from job_events import job_event
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
+from serving import running
 
 from conveyor.platform.bus import Producer, create_topology, ensure_topics
 from conveyor.platform.config import (
@@ -35,6 +36,9 @@ from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.export import load_exported_state
 from conveyor.services.aggregator.job import JobContext, prepare_job
 from conveyor.services.aggregator.service import AggregatorService
+from conveyor.services.checkpointer.config import CheckpointerSettings
+from conveyor.services.checkpointer.service import CheckpointerService
+from conveyor.training.checkpoint import CheckpointStore
 from conveyor.training.datasets import Dataset, open_dataset
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
@@ -105,6 +109,20 @@ async def aggregator(kafka: KafkaSettings, objects: Path) -> AsyncIterator[Aggre
         if not serving.done():
             service.request_stop()
         assert await asyncio.wait_for(serving, 60) == 0
+
+
+def committed_versions(peer: Peer) -> list[int]:
+    """Versions of the ``checkpoint`` (committed) events seen."""
+    return [e.details()["version"] for e in peer.event("checkpoint")]
+
+
+def checkpointer(kafka: KafkaSettings, objects: Path) -> CheckpointerService:
+    return CheckpointerService(
+        settings=CheckpointerSettings(poll_s=0.05),
+        kafka=kafka,
+        storage=StorageSettings(uri=f"file://{objects}"),
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
 
 
 async def stop(service: AggregatorService) -> None:
@@ -196,6 +214,7 @@ async def test_sync_two_slices_with_failover_matches_replay(
     stopped_at: int | None = None
     taken_over: set[int] = set()
     async with AsyncExitStack() as stack:
+        await stack.enter_async_context(running(checkpointer(kafka, tmp_path)))
         first = await stack.enter_async_context(aggregator(kafka, tmp_path))
         peer = await stack.enter_async_context(Peer(kafka, ctx, dataset, WORKERS))
         await peer.wait_for(lambda: peer.has_params(0))
@@ -206,6 +225,10 @@ async def test_sync_two_slices_with_failover_matches_replay(
         queue = peer.train_batches(0)
         while True:
             await peer.wait_for(lambda v=version: peer.has_params(v))  # type: ignore[misc]
+            if version == 3 and stopped_at is None and options.get("every_steps"):
+                # The checkpoint of version 2 is committed before the failover, so the new
+                # owner restores from it and replays version 3.
+                await peer.wait_for(lambda: 2 in committed_versions(peer), 30)
             if version == 3 and stopped_at is None:
                 # Stop the coordinator's process: its slice and the coordination move over.
                 owner = await slice_owner((first, second), ctx.job_id, 0)
@@ -232,6 +255,17 @@ async def test_sync_two_slices_with_failover_matches_replay(
     assert stopped_at is not None and len(peer.closes) >= stopped_at + 4
     assert taken_over == {0, 1}  # the survivor serves both slices
     assert_matches_replay(peer)
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path}"), ctx.job_id)
+    committed = checkpoints.committed_versions()
+    final = len(peer.closes)
+    assert final in committed  # the job's end, committed before its topics went
+    if options.get("every_steps"):
+        # keep_last 3 (the default): the last three of every 2 steps and each epoch's end
+        assert len(committed) == 3
+    manifest, states, skipped = checkpoints.latest_good()
+    assert manifest is not None and manifest.version == final and not skipped
+    for index, (first_param, end_param) in enumerate(ctx.bounds):
+        assert torch.equal(states[index].values, peer.flat_params(final)[first_param:end_param])
     allocations = [c.allocation for c in peer.closes.values()]
     assert allocations[0] == {"t0": 1, "t1": 3}  # proportional to the heartbeats' throughput
     assert all(sum(a.values()) == per_step for a in allocations)

@@ -47,6 +47,7 @@ SERVICES: dict[str, ServiceSpec] = {
     "preprocessor": ServiceSpec(entry="conveyor.services.preprocessor.main:main"),
     "trainer": ServiceSpec(entry="conveyor.services.trainer.main:main"),
     "aggregator": ServiceSpec(entry="conveyor.services.aggregator.main:main"),
+    "checkpointer": ServiceSpec(entry="conveyor.services.checkpointer.main:main"),
 }
 """Registered services by name, in the order ``conveyor up`` starts them."""
 

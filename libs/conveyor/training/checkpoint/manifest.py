@@ -83,7 +83,8 @@ class DataCursor:
     epoch: int
     """The epoch the next train batch belongs to."""
     applied_batches: list[str] = field(default_factory=list)
-    """Train batches of ``epoch`` already in the parameters (a resume skips them)."""
+    """Train batches of ``epoch`` and later epochs already in the parameters (a resume skips
+    them)."""
     samples_trained: int = 0
     """Train samples applied over all epochs."""
 
