@@ -10,6 +10,7 @@ order; the trainer restart, which leaves the recorded trainer dead, is last.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -18,10 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from e2e_stack import (
     DIGITS_SAMPLES,
     RunningStack,
     assert_exactly_once,
+    conveyor,
     digits_arrays,
     digits_spec,
     list_topics,
@@ -33,7 +36,9 @@ from e2e_stack import (
 
 from conveyor.embedded.report import probe_stack
 from conveyor.platform.config import StorageSettings
+from conveyor.training.checkpoint import CheckpointStore
 from conveyor.training.datasets.pack import pack_npz
+from conveyor.training.exported import load_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -90,8 +95,8 @@ def assert_completed_summary(stack: RunningStack, job: dict[str, object], epochs
     assert stack.store().exists(f"jobs/{job['id']}/model.safetensors")
 
 
-def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack) -> None:
-    job_id = stack.submit(digits_spec("ledger-normal"))
+def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack, tmp_path: Path) -> None:
+    job_id = stack.submit(digits_spec("ledger-normal", checkpoint={"every_steps": 5}))
     job = stack.wait_job(job_id)
     assert_completed_summary(stack, job, epochs=2)
     assert job["summary"]["eval_accuracy"] > 0.8
@@ -99,6 +104,27 @@ def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack) -> Non
     train_ids = stack.train_ids(job)
     assert len(train_ids) == DIGITS_SAMPLES - int(DIGITS_SAMPLES * 0.2)
     assert_exactly_once(stack.ledger(job_id), train_ids, epochs=2)
+
+    # Its checkpoints in the stack's S3 store, as `conveyor checkpoints` lists them: the
+    # newest three (keep_last), the job's end the latest, equal to the exported model.
+    final = job["summary"]["versions"]
+    cli = ("--state-dir", str(stack.state_dir))
+    listed = conveyor("checkpoints", job_id, *cli, "--json", env=stack.env)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert [r["state"] for r in rows] == ["committed"] * 3
+    assert rows[0]["version"] == final and rows[0]["latest"] and rows[0]["trigger"] == "job_end"
+    assert job["summary"]["last_checkpoint"] == rows[0]["uri"] + "/manifest.json"
+    manifest, states, skipped = CheckpointStore(stack.store(), job_id).latest_good()
+    assert manifest is not None and manifest.version == final and not skipped
+    assert manifest.data_cursor.epoch == 2 and manifest.data_cursor.samples_trained == 2 * len(
+        train_ids
+    )
+    pulled = conveyor("model", "pull", job_id, str(tmp_path / "model"), *cli, env=stack.env)
+    assert pulled.returncode == 0, pulled.stderr
+    model = load_model(tmp_path / "model")
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.equal(flat, torch.cat([states[p].values for p in sorted(states)]))
 
 
 def test_npz_dataset_in_s3_trains_every_sample_exactly_once(

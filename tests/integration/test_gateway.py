@@ -12,16 +12,24 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from job_events import job_event
 
-from conveyor.platform.bus import Producer, TopicAdmin, create_topology
+from conveyor.platform.bus import Producer, TopicAdmin, TopicTail, create_topology, ensure_topics
 from conveyor.platform.codec import decode
-from conveyor.platform.config import KafkaSettings, TelemetrySettings, TopologySettings
-from conveyor.platform.messages import JobEvent, Topics
+from conveyor.platform.config import (
+    KafkaSettings,
+    StorageSettings,
+    TelemetrySettings,
+    TopologySettings,
+)
+from conveyor.platform.messages import CheckpointRequest, JobEvent, Topics
 from conveyor.platform.service import ServiceError
+from conveyor.platform.storage import open_store
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.service import GatewayService, job_id_for
+from conveyor.training.checkpoint import CheckpointStore, DataCursor, Manifest, SliceState
 from conveyor.training.jobspec import JobSpec
 
 SPEC = JobSpec.from_yaml(
@@ -39,12 +47,16 @@ class Gateway:
 
 
 @asynccontextmanager
-async def serving_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Gateway]:
-    """A GatewayService that serves HTTP (ready or not) and a client pointed at it."""
+async def serving_gateway(
+    kafka: KafkaSettings, objects: Path | None = None, **settings: Any
+) -> AsyncIterator[Gateway]:
+    """A GatewayService that serves HTTP (ready or not) and a client pointed at it; its object
+    store is the directory ``objects`` (none by default: a path nothing writes)."""
     settings.setdefault("api_token", None)
     service = GatewayService(
         settings=GatewaySettings(port=0, **settings),
         kafka=kafka,
+        storage=StorageSettings(uri=f"file://{objects or '/nonexistent/conveyor-objects'}"),
         telemetry=TelemetrySettings(otlp_endpoint=None),
     )
     serving = asyncio.create_task(service.serve())
@@ -72,10 +84,12 @@ async def wait_ready(gw: Gateway, timeout_s: float = 30.0) -> None:
 
 
 @asynccontextmanager
-async def running_gateway(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[Gateway]:
+async def running_gateway(
+    kafka: KafkaSettings, objects: Path | None = None, **settings: Any
+) -> AsyncIterator[Gateway]:
     """A ready gateway over the topics the sharder would have created."""
     await create_topology(kafka, TopologySettings())
-    async with serving_gateway(kafka, **settings) as gw:
+    async with serving_gateway(kafka, objects, **settings) as gw:
         await wait_ready(gw)
         yield gw
 
@@ -403,3 +417,57 @@ async def test_openapi_documents_the_api(gateway: Gateway) -> None:
     expected = {"/v1/jobs", job, f"{job}/cancel", f"{job}/events", f"{job}/stages"}
     assert expected <= set(schema["paths"])
     assert "JobSpec" in schema["components"]["schemas"]
+
+
+async def test_checkpoints_are_listed_requested_and_the_model_served(
+    kafka_settings: KafkaSettings, tmp_path: Path
+) -> None:
+    objects = tmp_path / "objects"
+    async with running_gateway(kafka_settings, objects) as gw:
+        job_id = (await gw.client.post("/v1/jobs", json=SPEC)).json()["id"]
+        assert (await gw.client.get(f"/v1/jobs/{job_id}/checkpoints")).json()["count"] == 0
+        pending = await gw.client.post(f"/v1/jobs/{job_id}/checkpoints")
+        assert pending.status_code == 409 and "pending" in pending.json()["detail"]
+
+        # Planned: the request goes to the job's control topic for its coordinator.
+        topics = Topics(kafka_settings.topic_prefix)
+        await ensure_topics(kafka_settings, topics.job_topic_specs(job_id, batches_partitions=1,
+                                                                   slices=1))  # fmt: skip
+        await publish(kafka_settings, job_id, ("planned", {}))
+        await wait_for_state(gw, job_id, "planned")
+        accepted = await gw.client.post(f"/v1/jobs/{job_id}/checkpoints")
+        assert accepted.status_code == 202 and accepted.json()["id"] == job_id
+        async with TopicTail(kafka_settings, topics.control(job_id)) as control:
+            records = await control.get_many(5.0)
+        (request,) = [r.message for r in records]
+        assert isinstance(request, CheckpointRequest) and request.reason == "request"
+
+        # Two checkpoints in the store, the newer one not committed.
+        checkpoints = CheckpointStore(open_store(f"file://{objects}"), job_id)
+        for version, commit in ((4, True), (8, False)):
+            state = SliceState(slice_index=0, version=version, values=torch.ones(3),
+                               optimizer={}, grads_offset=0)  # fmt: skip
+            entry = checkpoints.write_slice(state)
+            if commit:
+                checkpoints.commit(Manifest(
+                    job_id=job_id, version=version, step=version, trigger="every_steps",
+                    created_at=123.0, files=[entry], data_cursor=DataCursor(epoch=0),
+                    rng={}, spec=SPEC, model={},
+                ))  # fmt: skip
+        listed = (await gw.client.get(f"/v1/jobs/{job_id}/checkpoints")).json()
+        rows = [(c["version"], c["state"], c["step"], c["latest"]) for c in listed["checkpoints"]]
+        assert rows == [(8, "incomplete", None, False), (4, "committed", 4, True)]
+        assert listed["checkpoints"][1]["size_bytes"] > 0
+
+        missing = await gw.client.get(f"/v1/jobs/{job_id}/model/model.safetensors")
+        assert missing.status_code == 404 and "no exported model" in missing.json()["detail"]
+        store = open_store(f"file://{objects}")
+        store.put_bytes(f"jobs/{job_id}/model.safetensors", b"weights")
+        store.put_bytes(f"jobs/{job_id}/config.json", b'{"format": 1}')
+        weights = await gw.client.get(f"/v1/jobs/{job_id}/model/model.safetensors")
+        assert weights.status_code == 200 and weights.content == b"weights"
+        config = await gw.client.get(f"/v1/jobs/{job_id}/model/config.json")
+        assert config.json() == {"format": 1}
+        other = await gw.client.get(f"/v1/jobs/{job_id}/model/ledger.json")
+        assert other.status_code == 404 and "config.json" in other.json()["detail"]
+        assert (await gw.client.get("/v1/jobs/nope/checkpoints")).status_code == 404

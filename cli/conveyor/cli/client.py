@@ -85,6 +85,21 @@ class GatewayClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._json(self._request("POST", f"/v1/jobs/{job_id}/cancel"))
 
+    def checkpoints(self, job_id: str) -> dict[str, Any]:
+        """The job's checkpoints, newest first (``GET /v1/jobs/{id}/checkpoints``)."""
+        return self._json(self._request("GET", f"/v1/jobs/{job_id}/checkpoints"))
+
+    def request_checkpoint(self, job_id: str) -> dict[str, Any]:
+        """Ask for a checkpoint at the job's next step; returns the job."""
+        return self._json(self._request("POST", f"/v1/jobs/{job_id}/checkpoints"))
+
+    def model_file(self, job_id: str, name: str) -> bytes:
+        """One file of the job's exported model (``model.safetensors``, ``config.json``)."""
+        response = self._request("GET", f"/v1/jobs/{job_id}/model/{name}")
+        if response.status_code >= 400:
+            self._json(response)  # raises with the gateway's reason
+        return response.content
+
     def stages(self, job_id: str) -> dict[str, Any]:
         return self._json(self._request("GET", f"/v1/jobs/{job_id}/stages"))
 

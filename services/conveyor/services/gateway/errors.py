@@ -39,6 +39,21 @@ class IdempotencyConflict(GatewayError):
         self.job_id = job_id
 
 
+class ArtifactNotFound(GatewayError):
+    """The job has no such object in its store (404)."""
+
+
+class JobNotRunning(GatewayError):
+    """The operation needs a running job (409), e.g. asking for a checkpoint."""
+
+    def __init__(self, job_id: str, state: str) -> None:
+        super().__init__(
+            f"job {job_id!r} is {state}: only a planned or running job can be checkpointed"
+        )
+        self.job_id = job_id
+        self.state = state
+
+
 class GatewayUnavailable(GatewayError):
     """The view is still catching up or the broker did not answer in time (503)."""
 

@@ -104,5 +104,26 @@ class JobStages(BaseModel):
     stages: dict[str, StageLatency]
 
 
+class Checkpoint(BaseModel):
+    """One checkpoint of a job in its object store."""
+
+    version: int = Field(description="Parameter version it holds.")
+    step: int | None = Field(description="Optimizer steps up to it (committed ones).")
+    state: str = Field(description="committed (its manifest exists) or incomplete.")
+    created_at: float | None = Field(description="Unix seconds of the commit.")
+    size_bytes: int = Field(description="Bytes of its files (committed ones).")
+    trigger: str | None = Field(
+        description="every_steps, every_s, epoch_end, request or job_end (committed ones)."
+    )
+    uri: str
+    latest: bool = Field(description="The newest committed one: what a resume would use.")
+
+
+class CheckpointList(BaseModel):
+    id: str
+    checkpoints: list[Checkpoint] = Field(description="Newest first.")
+    count: int
+
+
 class ErrorBody(BaseModel):
     detail: str

@@ -10,21 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI
 
 from conveyor.platform.bus import BusError, Producer, wait_for_topics
-from conveyor.platform.config import KafkaSettings, TelemetrySettings
-from conveyor.platform.messages import CancelRequested, JobEvent, JobSubmitted, Topics
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
+from conveyor.platform.messages import (
+    CancelRequested,
+    CheckpointRequest,
+    JobEvent,
+    JobSubmitted,
+    Topics,
+)
 from conveyor.platform.service import Service
+from conveyor.services.gateway.artifacts import JobArtifacts
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.errors import (
     GatewayUnavailable,
     IdempotencyConflict,
     JobFinished,
     JobNotFound,
+    JobNotRunning,
 )
 from conveyor.services.gateway.events import EventHub, JobsTail
 from conveyor.services.gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
@@ -59,6 +68,7 @@ class GatewayService(Service):
         *,
         settings: GatewaySettings,
         kafka: KafkaSettings,
+        storage: StorageSettings,
         telemetry: TelemetrySettings,
     ) -> None:
         host, port = settings.http_address(telemetry)
@@ -67,6 +77,8 @@ class GatewayService(Service):
         )
         self.settings = settings
         self.kafka = kafka
+        self.storage = storage
+        self.artifacts = JobArtifacts(storage)
         self.topics = Topics(kafka.topic_prefix)
         self.view = JobsView(stage_window=settings.stage_window)
         self.hub = EventHub(max_events=settings.sse_queue_events)
@@ -160,6 +172,24 @@ class GatewayService(Service):
         if not job.cancel_requested:
             await self._publish(CancelRequested(job_id=job_id, reason="cancelled through the API"))
         return self.get_job(job_id)
+
+    async def request_checkpoint(self, job_id: str) -> JobView:
+        """Ask the job's coordinator for a checkpoint at its next step (a
+        ``CheckpointRequest`` on the job's control topic).
+
+        :class:`JobNotFound`; :class:`JobNotRunning` unless the job is planned or running.
+        """
+        job = self.get_job(job_id)
+        if job.terminal or job.plan is None:
+            raise JobNotRunning(job_id, job.state)
+        producer, _ = self._require_ready()
+        request = CheckpointRequest(job_id=job_id, reason="request", requested_at=time.time())
+        try:
+            async with asyncio.timeout(self.settings.write_timeout_s):
+                await producer.publish(self.topics.control(job_id), request)
+        except (BusError, TimeoutError) as exc:
+            raise GatewayUnavailable(f"could not reach the broker: {exc}") from exc
+        return job
 
     # -- helpers ----------------------------------------------------------------------------
 

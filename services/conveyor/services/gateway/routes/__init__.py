@@ -6,17 +6,21 @@ from fastapi import Depends, FastAPI, Request, status
 from fastapi.responses import JSONResponse
 
 from conveyor.services.gateway.errors import (
+    ArtifactNotFound,
     GatewayError,
     GatewayUnavailable,
     IdempotencyConflict,
     JobFinished,
     JobNotFound,
+    JobNotRunning,
 )
-from conveyor.services.gateway.routes import jobs
+from conveyor.services.gateway.routes import artifacts, jobs
 from conveyor.services.gateway.routes.deps import JobsBackend, require_token
 
 _STATUS: dict[type[GatewayError], int] = {
     JobNotFound: status.HTTP_404_NOT_FOUND,
+    ArtifactNotFound: status.HTTP_404_NOT_FOUND,
+    JobNotRunning: status.HTTP_409_CONFLICT,
     JobFinished: status.HTTP_409_CONFLICT,
     IdempotencyConflict: status.HTTP_409_CONFLICT,
     GatewayUnavailable: status.HTTP_503_SERVICE_UNAVAILABLE,
@@ -36,4 +40,5 @@ def install_routes(app: FastAPI, backend: JobsBackend) -> None:
     """Mount every ``/v1`` router on ``app`` (bearer auth on all of them), serving ``backend``."""
     app.state.jobs_backend = backend
     app.include_router(jobs.router, dependencies=[Depends(require_token)])
+    app.include_router(artifacts.router, dependencies=[Depends(require_token)])
     app.add_exception_handler(GatewayError, _gateway_error)

@@ -8,6 +8,7 @@ from typing import Annotated, Protocol
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from conveyor.services.gateway.artifacts import JobArtifacts
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.events import EventHub
 from conveyor.training.jobspec import JobSpec
@@ -19,6 +20,7 @@ class JobsBackend(Protocol):
 
     settings: GatewaySettings
     hub: EventHub
+    artifacts: JobArtifacts
 
     def get_job(self, job_id: str) -> JobView: ...
 
@@ -27,6 +29,8 @@ class JobsBackend(Protocol):
     async def submit(self, spec: JobSpec, idempotency_key: str | None) -> tuple[JobView, bool]: ...
 
     async def cancel(self, job_id: str) -> JobView: ...
+
+    async def request_checkpoint(self, job_id: str) -> JobView: ...
 
 
 def get_backend(request: Request) -> JobsBackend:

@@ -1,0 +1,42 @@
+"""What a job leaves in the object store, as the gateway serves it: checkpoints and the
+exported model. Blocking store I/O: the routes call these in a thread."""
+
+from __future__ import annotations
+
+from conveyor.platform.config import StorageSettings
+from conveyor.platform.storage import ObjectNotFound, ObjectStore, open_store
+from conveyor.services.gateway.errors import ArtifactNotFound
+from conveyor.training.checkpoint import CheckpointInfo, CheckpointStore
+from conveyor.training.exported import MODEL_FILES
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.jobview import JobView
+
+
+class JobArtifacts:
+    """Reads a job's objects from its store (the spec's ``checkpoint.uri``, else the stack's)."""
+
+    def __init__(self, storage: StorageSettings) -> None:
+        self.storage = storage
+
+    def store_of(self, job: JobView) -> ObjectStore:
+        """The job's object store. ValueError for a spec that names no usable store."""
+        spec = JobSpec.from_dict(job.spec)
+        return open_store(spec.checkpoint.uri or self.storage.uri, self.storage)
+
+    def checkpoints(self, job: JobView) -> list[CheckpointInfo]:
+        """Every checkpoint of the job, newest first (committed and incomplete)."""
+        return CheckpointStore(self.store_of(job), job.job_id).listing()
+
+    def model_file(self, job: JobView, name: str) -> bytes:
+        """One file of the exported model (verified against its recorded sha256).
+        :class:`ArtifactNotFound` when the job exported none (yet)."""
+        if name not in MODEL_FILES:
+            raise ArtifactNotFound(
+                f"no model file {name!r}; the files are {', '.join(MODEL_FILES)}"
+            )
+        try:
+            return self.store_of(job).get_bytes(f"jobs/{job.job_id}/{name}")
+        except ObjectNotFound as exc:
+            raise ArtifactNotFound(
+                f"job {job.job_id!r} has no exported model yet (state: {job.state})"
+            ) from exc
