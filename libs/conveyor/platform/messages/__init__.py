@@ -86,6 +86,7 @@ from conveyor.platform.messages.gradient_plane import (
     ParamSlice,
     Rejection,
     StepClose,
+    sample_ids_tensor,
 )
 
 __all__ = [
@@ -126,6 +127,7 @@ __all__ = [
     "batch_id_for",
     "message",
     "registered_messages",
+    "sample_ids_tensor",
     "schema_for",
     "shard_id_for",
 ]
