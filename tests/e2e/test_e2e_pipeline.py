@@ -21,7 +21,6 @@ import pytest
 from e2e_stack import (
     DIGITS_SAMPLES,
     RunningStack,
-    assert_exactly_once,
     digits_arrays,
     digits_spec,
     list_topics,
@@ -30,6 +29,7 @@ from e2e_stack import (
     wait_for,
     write_digits_npz,
 )
+from ledger_check import assert_exactly_once
 
 from conveyor.embedded.report import probe_stack
 from conveyor.platform.config import StorageSettings
