@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from ledger_check import train_split
 from numpy.typing import NDArray
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,27 +91,6 @@ def digits_spec(name: str = "digits-e2e", *, epochs: int = 2, **sections: Any) -
     }
     spec.update(sections)
     return spec
-
-
-def train_split(num_samples: int, eval_fraction: float, seed: int) -> set[int]:
-    """The train ids the job contract promises: the first ``floor(N * eval_fraction)`` ids of
-    ``default_rng(seed).permutation(N)`` are the eval set, the rest are trained. Written from
-    the contract, not imported from the sharder, so the plan is checked too."""
-    permutation = np.random.default_rng(seed).permutation(num_samples)
-    return {int(i) for i in permutation[int(num_samples * eval_fraction) :]}
-
-
-def assert_exactly_once(ledger: dict[str, Any], train_ids: set[int], epochs: int) -> None:
-    """Every train sample went into exactly one update in every epoch, nothing else did."""
-    assert sorted(ledger["epochs"], key=int) == [str(e) for e in range(epochs)]
-    for epoch in range(epochs):
-        counts = {int(sample): n for sample, n in ledger["epochs"][str(epoch)].items()}
-        missing = sorted(train_ids - counts.keys())
-        extra = sorted(counts.keys() - train_ids)
-        repeated = {sample: n for sample, n in counts.items() if n != 1}
-        assert not missing, f"epoch {epoch}: {len(missing)} train samples never trained"
-        assert not extra, f"epoch {epoch}: samples outside the train split trained: {extra[:10]}"
-        assert not repeated, f"epoch {epoch}: samples trained more than once: {repeated}"
 
 
 def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -19,13 +19,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from e2e_stack import (
     RunningStack,
-    assert_exactly_once,
     digits_spec,
     metric_sum,
     metric_values,
     running_stack,
     wait_for,
 )
+from ledger_check import assert_exactly_once
 
 from conveyor.cli.client import TERMINAL_STATES
 

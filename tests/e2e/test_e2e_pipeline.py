@@ -23,7 +23,6 @@ import torch
 from e2e_stack import (
     DIGITS_SAMPLES,
     RunningStack,
-    assert_exactly_once,
     conveyor,
     digits_arrays,
     digits_spec,
@@ -33,6 +32,7 @@ from e2e_stack import (
     wait_for,
     write_digits_npz,
 )
+from ledger_check import assert_exactly_once
 
 from conveyor.embedded.report import probe_stack
 from conveyor.platform.config import StorageSettings

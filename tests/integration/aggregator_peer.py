@@ -31,11 +31,13 @@ from conveyor.platform.messages import (
     StepClose,
     Topics,
     batch_id_for,
+    sample_ids_tensor,
 )
 from conveyor.services.aggregator.job import JobContext
 from conveyor.training.compression import TopKFeedback, decode_slice, encode_slice, encoding_for
 from conveyor.training.datasets import Dataset
 from conveyor.training.optim import build_optimizer
+from conveyor.training.plan import parse_batch_id
 
 
 class Peer:
@@ -166,9 +168,12 @@ class Peer:
             for k in range(shard.num_batches)
         ]
 
+    def sample_ids(self, batch_ids: list[str]) -> list[int]:
+        """The samples of ``batch_ids`` (what a preprocessor would put in their batches)."""
+        return [i for b in batch_ids for i in self.ctx.plan.batch_sample_ids(b)]
+
     def data(self, batch_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = [i for b in batch_ids for i in self.ctx.plan.batch_sample_ids(b)]
-        x, y = self.dataset.read(ids)
+        x, y = self.dataset.read(self.sample_ids(batch_ids))
         return torch.from_numpy(x).float() / 255.0, torch.from_numpy(y)
 
     def flat_params(self, version: int) -> torch.Tensor:
@@ -214,7 +219,9 @@ class Peer:
             self.sent[contribution_id] = torch.cat(decoded)
         await self._producer.publish(self.topics.control(self.job_id), Contribution(
             job_id=self.job_id, contribution_id=contribution_id, worker_id=worker,
-            base_version=base, num_samples=num_samples, batch_ids=batch_ids, loss_sum=loss_sum,
+            base_version=base, num_samples=num_samples, batch_ids=batch_ids,
+            epoch=parse_batch_id(batch_ids[0]).epoch if batch_ids else 0,
+            sample_ids=sample_ids_tensor(self.sample_ids(batch_ids)), loss_sum=loss_sum,
             grad_bytes=grad_bytes, sent_at=time.time(),
         ))  # fmt: skip
         return contribution_id

@@ -15,8 +15,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from job_events import job_event
+from ledger_check import assert_exactly_once as check_ledger
+from ledger_check import train_split
 from serving import Servable, running
 
 from conveyor.platform.bus import Producer, TopicTail, create_topology
@@ -38,7 +39,6 @@ from conveyor.services.trainer.service import TrainerService
 from conveyor.training.datasets import open_dataset
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobLogReader, JobsView, JobView
-from conveyor.training.plan import split_ids
 
 MEMBER_TIMEOUT_S = 3.0
 
@@ -171,13 +171,10 @@ async def follow(kafka: KafkaSettings, topic: str, into: list[Any]) -> None:
 
 
 def assert_exactly_once(objects: Path, job_id: str, spec: dict[str, Any]) -> None:
-    """Every train sample went into exactly one applied update in each epoch of ``spec``."""
-    dataset = open_dataset(spec["dataset"]["uri"])
-    seed = spec["training"].get("seed", 0)
-    train_ids, _ = split_ids(dataset.num_samples, spec["dataset"]["eval_fraction"], seed)
-    ledger = json.loads((objects / f"jobs/{job_id}/ledger.json").read_text())["epochs"]
-    expected = {str(i): 1 for i in np.asarray(train_ids).tolist()}
-    epochs = [str(e) for e in range(spec["training"]["epochs"])]
-    assert sorted(ledger) == epochs
-    for epoch in epochs:
-        assert ledger[epoch] == expected, f"epoch {epoch}: a sample is missing or counted twice"
+    """The job's ledger (in the ``file://`` store at ``objects``) against the plan of
+    ``spec``: every train sample went into exactly one applied update in each epoch, nothing
+    else did (:func:`ledger_check.assert_exactly_once`)."""
+    num_samples = open_dataset(spec["dataset"]["uri"]).num_samples
+    fraction, seed = spec["dataset"]["eval_fraction"], spec["training"].get("seed", 0)
+    ledger = json.loads((objects / f"jobs/{job_id}/ledger.json").read_text())
+    check_ledger(ledger, train_split(num_samples, fraction, seed), spec["training"]["epochs"])

@@ -19,6 +19,7 @@ import pytest
 import torch
 from aggregator_peer import Peer
 from job_events import job_event
+from ledger_check import assert_exactly_once, train_split
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 from serving import running
@@ -169,10 +170,10 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     assert torch.equal(peer.ctx.layout.flatten_params(model), final)
     assert summary["checkpoint"].endswith(f"jobs/{peer.job_id}/model.safetensors")
     ledger = json.loads(store.get_bytes(f"jobs/{peer.job_id}/ledger.json"))
-    train_ids = {str(i) for i in peer.ctx.plan.train_ids.tolist()}
-    for epoch in range(epochs):
-        counts = ledger["epochs"][str(epoch)]
-        assert set(counts) == train_ids and set(counts.values()) == {1}  # exactly once
+    spec = peer.ctx.spec
+    train_ids = train_split(peer.ctx.dataset_samples, spec.dataset.eval_fraction,
+                            spec.training.seed)  # fmt: skip
+    assert_exactly_once(ledger, train_ids, epochs)
     results = {e.details()["epoch"]: e.details() for e in peer.event("epoch_completed")}
     assert sorted(results) == list(range(epochs))
     for epoch, (loss, correct, samples) in peer.eval_sums.items():

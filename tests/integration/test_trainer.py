@@ -2,8 +2,10 @@
 
 A digits job (2 epochs) runs through the real sharder, a preprocessor, two aggregators (K = 2
 slices) and two trainers: it must complete with a good accuracy and an exactly-once ledger
-(written by the coordinator), also when one trainer process is killed (SIGKILL) mid-epoch, and
-a slowed trainer must get fewer batches than a fast one (throughput-weighted routing).
+(written by the coordinator from the sample ids the trainers computed on), also when one
+trainer process is killed (SIGKILL) mid-epoch, and a slowed trainer must get fewer batches
+than a fast one (throughput-weighted routing). A trainer that runs a micro-batch twice must
+fail the exactly-once check.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import BatchComputedTwice
 from job_events import job_event
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from plane_harness import (
@@ -240,6 +243,35 @@ async def test_a_trainer_killed_mid_epoch_loses_nothing_and_counts_nothing_twice
             victim.wait(10)
 
     assert_completed(jobs, job_id, objects)
+
+
+async def test_a_batch_computed_twice_fails_the_exactly_once_check(
+    kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger counts what the trainers computed on, not what the plan says their batches
+    hold: a trainer that runs one micro-batch twice into a contribution, and says so (its
+    batch id once, its sample ids twice), passes every batch-id check of the coordinator; the
+    ledger check of the finished job names the samples counted twice."""
+    objects, job_id = tmp_path / "objects", "digitstwice"
+    spec = {**SPEC, "training": {**SPEC["training"], "epochs": 1}}
+    fault = BatchComputedTwice("t-twice")
+    fault.install(monkeypatch)
+    async with (
+        job_log(kafka) as (topics, jobs),
+        pipeline(kafka, objects),
+        running(trainer(kafka, "t-twice")),
+    ):
+        await submit(kafka, topics, job_id, spec)
+        await jobs.wait_for(lambda: jobs.of("completed", job_id))
+
+    assert fault.batch_id is not None and len(fault.sample_ids) == 32
+    # Every batch was applied once; the step with the fault summed one micro-batch more.
+    (planned,) = jobs.of("planned", job_id)
+    assert jobs.of("completed", job_id)[0]["summary"]["samples"] == planned["num_train"] + 32
+    with pytest.raises(AssertionError) as failed:
+        assert_exactly_once(objects, job_id, spec)
+    repeated = {sample: 2 for sample in sorted(fault.sample_ids)}
+    assert str(failed.value).startswith(f"epoch 0: samples trained more than once: {repeated}")
 
 
 async def publish(

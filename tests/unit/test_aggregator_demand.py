@@ -11,6 +11,7 @@ from conveyor.platform.messages import (
     GradSlice,
     Rejection,
     StepClose,
+    sample_ids_tensor,
 )
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
@@ -32,7 +33,7 @@ def coordinator() -> Coordinator:
     return Coordinator(
         CoordinatorConfig(
             job_id=JOB, spec=spec, train_batches_per_epoch=8, eval_batches_per_epoch=0,
-            member_timeout_s=10.0, batches_partitions=None,
+            dataset_samples=100, member_timeout_s=10.0, batches_partitions=None,
         )
     )  # fmt: skip
 
@@ -49,8 +50,9 @@ def owner(index: int) -> SliceOwner[str]:
 def contribution(cid: str, samples: int) -> Contribution:
     return Contribution(
         job_id=JOB, contribution_id=cid, worker_id=cid.split(":")[0], base_version=0,
-        num_samples=samples, batch_ids=[f"b-{cid}"] if samples else [], loss_sum=1.0,
-        grad_bytes=16, sent_at=0.0,
+        num_samples=samples, batch_ids=[f"b-{cid}"] if samples else [], epoch=0,
+        sample_ids=sample_ids_tensor(list(range(samples))), loss_sum=1.0, grad_bytes=16,
+        sent_at=0.0,
     )  # fmt: skip
 
 

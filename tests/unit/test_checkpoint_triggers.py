@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_coordinator import JOB, T0, batch, beat, contrib, echo
+from test_coordinator import JOB, SAMPLES, T0, batch, beat, contrib, echo
 
 from conveyor.platform.messages import CheckpointRequest, SliceSaved, StepClose
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
@@ -49,8 +49,14 @@ def run(
 
 
 def coordinator_for(spec: JobSpec) -> Coordinator:
-    return Coordinator(CoordinatorConfig(job_id=JOB, spec=spec, train_batches_per_epoch=TRAIN,
-                                         eval_batches_per_epoch=0))  # fmt: skip
+    config = CoordinatorConfig(
+        job_id=JOB,
+        spec=spec,
+        train_batches_per_epoch=TRAIN,
+        eval_batches_per_epoch=0,
+        dataset_samples=SAMPLES,
+    )
+    return Coordinator(config)
 
 
 def test_steps_epoch_ends_and_the_job_end_are_checkpointed_in_that_precedence() -> None:

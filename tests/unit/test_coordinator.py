@@ -9,13 +9,24 @@ from typing import Any
 import pytest
 from heartbeats import heartbeat
 
-from conveyor.platform.messages import Contribution, EvalResult, Heartbeat, Rejection, StepClose
+from conveyor.platform.messages import (
+    AppliedContribution,
+    Contribution,
+    EvalResult,
+    Heartbeat,
+    Rejection,
+    StepClose,
+    sample_ids_tensor,
+)
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig, Decisions
 from conveyor.services.aggregator.membership import allocate
 from conveyor.training.jobspec import JobSpec
+from conveyor.training.plan import parse_batch_id
 
 JOB = "job1"
 T0 = 1_000.0
+SAMPLES = 1_000
+"""Samples of the dataset; batch(epoch, index) holds the one sample ``index``."""
 
 
 def spec(optimizer: dict[str, Any] | None = None, **distribution: Any) -> JobSpec:
@@ -40,6 +51,7 @@ def coordinator(
         spec=spec(**distribution),
         train_batches_per_epoch=train,
         eval_batches_per_epoch=evals,
+        dataset_samples=SAMPLES,
         member_timeout_s=10.0,
         batches_partitions=partitions,
     )
@@ -59,16 +71,31 @@ def beat(worker: str, at: float, sps: float | None = None, **state: Any) -> Hear
 _seq = iter(range(1_000_000))
 
 
+def sample_of(batch_id: str) -> int:
+    """The one sample of ``batch(epoch, index)``: ``index``."""
+    ref = parse_batch_id(batch_id)
+    return ref.shard_index * 4 + ref.position
+
+
 def contrib(worker: str, base: int, batches: list[str], at: float = T0, cid: str | None = None,
-            loss: float = 1.0) -> Contribution:  # fmt: skip
+            loss: float = 1.0, samples: list[int] | None = None,
+            epoch: int | None = None) -> Contribution:  # fmt: skip
+    """A contribution computed on ``batches``: the samples of each (``samples``: what it says
+    it computed on instead), of the first batch's epoch (or ``epoch``)."""
+    if samples is None:
+        samples = [sample_of(b) for b in batches]
+    if epoch is None:
+        epoch = parse_batch_id(batches[0]).epoch if batches else 0
     return Contribution(
         job_id=JOB,
         contribution_id=cid or f"{worker}:{next(_seq)}",
         worker_id=worker,
         base_version=base,
-        num_samples=len(batches),
+        num_samples=len(samples),
         batch_ids=batches,
-        loss_sum=loss * len(batches),
+        epoch=epoch,
+        sample_ids=sample_ids_tensor(samples),
+        loss_sum=loss * len(samples),
         grad_bytes=100,
         sent_at=at,
     )
@@ -164,6 +191,7 @@ def test_duplicates_are_ignored_or_rejected() -> None:
     assert [r.contribution_id for r in decisions.rejections] == [y.contribution_id]
     echo(c, decisions)
     assert c.applied_train_batches == 3  # every batch applied once
+    assert c.ledger.counts(0) == {0: 1, 1: 1, 2: 1}  # the repeated id and rejections: nothing
 
 
 def test_sync_rejects_stale_contributions() -> None:
@@ -402,7 +430,7 @@ def test_max_steps_finishes_training() -> None:
     c = Coordinator(CoordinatorConfig(
         job_id=JOB,
         spec=base.model_copy(update={"training": training}),
-        train_batches_per_epoch=12, eval_batches_per_epoch=2,
+        train_batches_per_epoch=12, eval_batches_per_epoch=2, dataset_samples=SAMPLES,
     ))  # fmt: skip
     c.fold(beat("a", T0))
     run_epoch(c, 0, 8)
@@ -441,6 +469,7 @@ def test_a_close_folded_as_published_is_not_folded_again_when_read_back(
     assert caplog.records == []
     assert c.version == 1 and c.steps == 1 and c.samples_trained == 2
     assert c.applied_train_batches == 2 and len(c.undecided()) == 1
+    assert c.ledger.counts(0) == {0: 1, 1: 1}  # counted once
     assert c.decide(T0).close is not None  # the second contribution closes version 2
 
 
@@ -451,3 +480,88 @@ def decodes_to_equal(close: StepClose) -> StepClose:
     copy = decode(encode(close))
     assert isinstance(copy, StepClose) and copy is not close and copy == close
     return copy
+
+
+def test_the_ledger_counts_what_applied_contributions_computed_on() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    c.fold(beat("b", T0))
+    c.fold(contrib("a", 0, [batch(0, 0), batch(0, 1)]))
+    # b ran its micro-batch twice and says so: its batch ids are distinct, so nothing but the
+    # sample ids shows it, and the ledger counts what was computed.
+    c.fold(contrib("b", 0, [batch(0, 2)], samples=[2, 2]))
+    assert c.ledger.epochs() == []  # nothing is counted before a close applies it
+    echo(c, c.decide(T0))
+    assert c.ledger.counts(0) == {0: 1, 1: 1, 2: 2}
+    assert c.ledger.total(0) == c.samples_trained == 4
+    # Neither a rejected contribution nor one still waiting for its step counts.
+    c.fold(contrib("a", 0, [batch(0, 3)]))
+    echo(c, c.decide(T0))
+    assert c.rejected == 1
+    c.fold(contrib("a", 1, [batch(1, 0)]))
+    assert c.decide(T0).close is None  # b's is missing
+    assert c.ledger.epochs() == [0] and c.ledger.total(0) == 4
+    # Each contribution counts under its own epoch.
+    c.fold(contrib("b", 1, [batch(1, 1)]))
+    echo(c, c.decide(T0))
+    assert c.ledger.counts(1) == {0: 1, 1: 1} and c.ledger.counts(0) == {0: 1, 1: 1, 2: 2}
+
+
+def applying(version: int, contribution: Contribution) -> StepClose:
+    """A StepClose of ``version`` that applies ``contribution`` (as another coordinator
+    might have decided it)."""
+    return StepClose(
+        job_id=JOB, version=version,
+        contributions=[AppliedContribution(
+            contribution_id=contribution.contribution_id, worker_id=contribution.worker_id,
+            base_version=contribution.base_version, num_samples=contribution.num_samples,
+            staleness=version - 1 - contribution.base_version,
+        )],
+        batch_ids=contribution.batch_ids, num_samples=contribution.num_samples, epoch=0, lr=0.5,
+        allocation={}, closed_at=T0,
+    )  # fmt: skip
+
+
+def test_a_contribution_rejected_then_applied_counts_while_a_close_may_apply_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    c = coordinator(mode="ssp", staleness=1)
+    c.fold(beat("a", T0))
+    x, y = contrib("a", 0, [batch(0, 0)]), contrib("a", 0, [batch(0, 1)])
+    for contribution in (x, y):
+        c.fold(contribution)
+        # During a handover one coordinator rejects it, the other (which has not read the
+        # rejection) applies it: the slice owners apply the close, so the ledger counts it.
+        c.fold(Rejection(job_id=JOB, contribution_id=contribution.contribution_id,
+                         worker_id="a", current_version=0, reason="handover"))  # fmt: skip
+    assert c.rejected == 2 and c.undecided() == []
+    c.fold(applying(1, x))
+    assert c.ledger.counts(0) == {0: 1} and c.last_loss == pytest.approx(1.0)
+    # Two versions on, no close may take y (base 0) within the staleness bound of 1: forgotten.
+    fresh = contrib("a", 1, [batch(0, 2)])
+    c.fold(fresh)
+    c.fold(applying(2, fresh))
+    assert c.ledger.counts(0) == {0: 1, 2: 1}
+    with caplog.at_level("ERROR"):
+        c.fold(applying(3, y))
+    assert "missing from the ledger" in caplog.text
+    assert c.ledger.counts(0) == {0: 1, 2: 1}
+
+
+def test_contributions_the_ledger_cannot_account_for_are_rejected() -> None:
+    c = coordinator()
+    c.fold(beat("a", T0))
+    outside = contrib("a", 0, [batch(0, 0)], samples=[SAMPLES])  # no such sample
+    mixed = contrib("a", 0, [batch(0, 1), batch(1, 2)])  # says epoch 0, a batch of epoch 1
+    mislabelled = contrib("a", 0, [batch(0, 3)], epoch=1)
+    for contribution in (outside, mixed, mislabelled):
+        c.fold(contribution)
+    decisions = c.decide(T0)
+    assert decisions.close is None
+    assert [(r.contribution_id, r.reason) for r in decisions.rejections] == [
+        (outside.contribution_id, "invalid sample ids"),
+        (mixed.contribution_id, "invalid batch ids"),
+        (mislabelled.contribution_id, "invalid batch ids"),
+    ]
+    echo(c, decisions)
+    assert c.ledger.epochs() == [] and c.rejected == 3

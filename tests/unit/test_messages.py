@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from conveyor.platform.codec import decode, encode
 from conveyor.platform.messages import (
     Batch,
+    Contribution,
     DeadLetter,
     FieldKind,
     Heartbeat,
@@ -23,6 +25,7 @@ from conveyor.platform.messages import (
     Topics,
     message,
     registered_messages,
+    sample_ids_tensor,
     schema_for,
 )
 
@@ -33,14 +36,15 @@ def unique_name() -> str:
 
 def test_schemas_are_registered_with_name_and_version() -> None:
     registry = registered_messages()
-    classes = (DeadLetter, ShardTask, Batch, Heartbeat, JobSubmitted, JobPlanned, JobFailed)
+    classes = (DeadLetter, ShardTask, Batch, Heartbeat, JobSubmitted, JobPlanned, JobFailed,
+               Contribution)  # fmt: skip
     for cls in classes:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
-    assert versions == {  # ShardTask v2: + routing
+    assert versions == {  # ShardTask v2: + routing; Contribution v2: + epoch, sample_ids
         "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
-        "JobPlanned": 1, "JobFailed": 1,
+        "JobPlanned": 1, "JobFailed": 1, "Contribution": 2,
     }  # fmt: skip
 
 
@@ -209,6 +213,38 @@ def test_batch_checks_its_contract() -> None:
     ]:
         with pytest.raises(ValueError, match=reason):
             make_batch(**overrides)
+
+
+def contribution(**overrides: Any) -> Contribution:
+    fields: dict[str, Any] = {
+        "job_id": "j", "contribution_id": "w:0", "worker_id": "w", "base_version": 0,
+        "num_samples": 3, "batch_ids": ["j:e1:train:00000:b000"], "epoch": 1,
+        "sample_ids": sample_ids_tensor([7, 7, 2]), "loss_sum": 1.0, "grad_bytes": 8,
+        "sent_at": 0.0,
+    }  # fmt: skip
+    fields.update(overrides)
+    return Contribution(**fields)
+
+
+def test_contribution_carries_the_sample_ids_it_was_computed_on() -> None:
+    assert sample_ids_tensor([7, 7, 2]).dtype == torch.int32
+    assert sample_ids_tensor([2**31]).dtype == torch.int64  # ids past int32 (synthetic://)
+    assert sample_ids_tensor([]).shape == (0,)
+    for ids in ([7, 7, 2], [2**40, 0, 1]):
+        sent = contribution(sample_ids=sample_ids_tensor(ids))
+        received = decode(encode(sent))
+        assert isinstance(received, Contribution) and received.epoch == 1
+        assert received.sample_ids.tolist() == ids  # repeats kept, in order
+        assert received.sample_ids.dtype == sent.sample_ids.dtype
+    assert contribution(num_samples=0, batch_ids=[], sample_ids=sample_ids_tensor([])).epoch == 1
+    for overrides, reason in [
+        ({"num_samples": 2}, r"\[num_samples=2\], got torch.int32 \[3\]"),
+        ({"sample_ids": torch.tensor([7.0, 7.0, 2.0])}, "int32/int64"),
+        ({"sample_ids": torch.zeros(1, 3, dtype=torch.int64)}, "int32/int64"),
+        ({"epoch": -1}, "epoch must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            contribution(**overrides)
 
 
 def test_shard_task_checks_split_and_batch_size() -> None:

@@ -19,6 +19,7 @@ from conveyor.platform.messages import (
     ParamSlice,
     Rejection,
     StepClose,
+    sample_ids_tensor,
 )
 from conveyor.services.trainer.data.batches import AckBook, BatchBook, Disposition
 from conveyor.services.trainer.plane.control import Applied, ControlState, Rejected
@@ -118,7 +119,8 @@ def test_outcomes_sequences_and_step_counts() -> None:
     control.apply(
         Contribution(
             job_id=JOB, contribution_id=f"{ME}:7", worker_id=ME, base_version=0, num_samples=1,
-            batch_ids=[train(0, 0)], loss_sum=1.0, grad_bytes=4, sent_at=0.0,
+            batch_ids=[train(0, 0)], epoch=0, sample_ids=sample_ids_tensor([0]), loss_sum=1.0,
+            grad_bytes=4, sent_at=0.0,
         )
     )  # fmt: skip
     assert control.last_sequence == 7  # a restarted trainer continues at 8

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import BatchComputedTwice
 from opentelemetry.context import Context
 
 from conveyor.platform.bus import Received, Tailed
@@ -33,6 +34,7 @@ from conveyor.platform.messages import (
     Rejection,
     StepClose,
     Topics,
+    sample_ids_tensor,
 )
 from conveyor.services.trainer.compute.session import prepare_job
 from conveyor.services.trainer.config import TrainerSettings
@@ -244,6 +246,8 @@ async def test_sync_waits_for_the_close_and_every_slice_then_recomputes_a_reject
         assert first.num_samples == 4 and first.grad_bytes == sum(
             s.values.numel() * 4 for s in slices
         )
+        # What it computed on: the batches' sample ids in compute order, and their epoch.
+        assert first.sample_ids.tolist() == [0, 1, 2, 3] and first.epoch == 0
         # Every slice went out, each to its own partition, before the Contribution.
         assert [(m.slice_index, p) for _, m, p in h.producer.sent if isinstance(m, GradSlice)] == [
             (0, 0), (1, 1),
@@ -279,6 +283,7 @@ async def test_sync_sends_an_empty_contribution_without_data() -> None:
         await h.producer.wait_for(lambda: len(h.contributions()) == 1)
         [empty] = h.contributions()
         assert empty.num_samples == 0 and empty.batch_ids == [] and empty.grad_bytes == 0
+        assert empty.sample_ids.numel() == 0 and empty.epoch == 0
         assert h.producer.of(GradSlice) == []  # an empty contribution has no slices
         h.log(close(1, [empty], {ME: 2}))
         h.feed(4, 5)
@@ -318,7 +323,8 @@ async def test_ssp_counts_every_trainers_undecided_contributions() -> None:
         others = [
             Contribution(
                 job_id=JOB, contribution_id=f"w-b:{k}", worker_id="w-b", base_version=0,
-                num_samples=2, batch_ids=[f"{JOB}:e0:train:00001:b00{k}"], loss_sum=1.0,
+                num_samples=2, batch_ids=[f"{JOB}:e0:train:00001:b00{k}"], epoch=0,
+                sample_ids=sample_ids_tensor([100 + 2 * k, 101 + 2 * k]), loss_sum=1.0,
                 grad_bytes=0, sent_at=time.time(),
             )
             for k in range(2)
@@ -351,7 +357,8 @@ async def test_redelivered_and_already_applied_batches_are_skipped() -> None:
     async with harness("sync") as h:
         applied = Contribution(
             job_id=JOB, contribution_id="w-b:0", worker_id="w-b", base_version=0, num_samples=2,
-            batch_ids=[f"{JOB}:e0:train:00000:b000"], loss_sum=1.0, grad_bytes=0, sent_at=0.0,
+            batch_ids=[f"{JOB}:e0:train:00000:b000"], epoch=0, sample_ids=sample_ids_tensor([0, 1]),
+            loss_sum=1.0, grad_bytes=0, sent_at=0.0,
         )  # fmt: skip
         h.log(close(1, [applied], {ME: 2}))
         h.feed(0, 1, 1)  # b000 applied by w-b; b001 twice
@@ -363,3 +370,20 @@ async def test_redelivered_and_already_applied_batches_are_skipped() -> None:
         h.log(close(2, [mine], {ME: 2}))
         assert sorted(h.consumer.acked) == [0, 1, 2]  # both deliveries of b001
         assert h.runner.figures.duplicates == 2
+
+
+async def test_a_micro_batch_computed_twice_is_reported_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The contribution's sample ids are what the step computed, not what its batch ids
+    imply: a micro-batch run twice (an injected fault) shows twice, its batch id once."""
+    fault = BatchComputedTwice(ME)
+    fault.install(monkeypatch)
+    async with harness("sync") as h:
+        h.feed(0, 1)
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [doubled] = h.contributions()
+        assert fault.batch_id == f"{JOB}:e0:train:00000:b000" and fault.sample_ids == [0, 1]
+        assert doubled.batch_ids == [f"{JOB}:e0:train:00000:b000", f"{JOB}:e0:train:00000:b001"]
+        assert doubled.sample_ids.tolist() == [0, 1, 2, 3, 0, 1] and doubled.num_samples == 6

@@ -15,7 +15,8 @@ size, shard size), so a restarted sharder computes exactly the same plan:
   of the sequence is ``epoch = k // tasks_per_epoch`` and position ``k % tasks_per_epoch``.
 - Batch ids (``<job>:e<epoch>:<split>:<shard index>:b<position>``) name their samples:
   :func:`parse_batch_id` and :meth:`JobPlan.batch_sample_ids` map one back without a lookup
-  table (the aggregator's ledger, the trainers' epoch bookkeeping).
+  table (the epoch bookkeeping of trainers and coordinator; the job's sample ledger is
+  counted from the sample ids the trainers computed on, not from these).
 """
 
 from __future__ import annotations

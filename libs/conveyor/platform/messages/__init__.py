@@ -91,6 +91,7 @@ from conveyor.platform.messages.gradient_plane import (
     Rejection,
     SliceSaved,
     StepClose,
+    sample_ids_tensor,
 )
 
 __all__ = [
@@ -136,6 +137,7 @@ __all__ = [
     "batch_id_for",
     "message",
     "registered_messages",
+    "sample_ids_tensor",
     "schema_for",
     "shard_id_for",
 ]

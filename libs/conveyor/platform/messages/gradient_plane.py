@@ -8,8 +8,10 @@ of the grads and params topics.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from conveyor.platform.messages.registry import Message, Record, message
@@ -48,12 +50,16 @@ class GradSlice(Message):
     """Unix seconds."""
 
 
-@message("Contribution", version=1)
+@message("Contribution", version=2)
 @dataclass(kw_only=True, slots=True)
 class Contribution(Message):
     """Sent by a trainer on ``Topics.control(job_id)`` after ALL of its GradSlices were
     acknowledged: from then on every slice owner can apply it. May be empty
-    (``num_samples == 0``) when the trainer had no batch for the step (sync mode)."""
+    (``num_samples == 0``) when the trainer had no batch for the step (sync mode).
+
+    Version 2 added ``epoch`` and ``sample_ids``: what the gradient was really computed on,
+    which the coordinator counts into the job's sample ledger when a StepClose applies it.
+    """
 
     job_id: str
     """Id of the job."""
@@ -66,13 +72,43 @@ class Contribution(Message):
     num_samples: int
     """Samples the gradient sums over (its weight)."""
     batch_ids: list[str]
-    """Batches it consumed; a batch id is applied at most once per job."""
+    """Batches it consumed, each once; a batch id is applied at most once per job."""
+    epoch: int
+    """Epoch of the batches it computed on (their ``Batch.epoch``; the coordinator rejects a
+    contribution whose batch ids are not all of it). An empty contribution carries the
+    trainer's current epoch. Added in version 2."""
+    sample_ids: Tensor
+    """int32 or int64 [num_samples]: the dataset ids of the samples the gradient was computed
+    on, micro-batch after micro-batch as computed (each ``Batch.sample_ids`` in row order; a
+    micro-batch computed twice is here twice). int32 when every id fits, else int64: 4 or 8
+    bytes a sample, after the header (a contribution of 2**20 samples, the largest global
+    batch, is 4-8 MiB). Added in version 2."""
     loss_sum: float
     """Sum of the per-sample training losses."""
     grad_bytes: int
     """Bytes of gradient payload sent for it (all slices), for the wire-bytes report."""
     sent_at: float
     """Unix seconds."""
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 0 or self.epoch < 0:
+            raise ValueError(
+                f"num_samples and epoch must be >= 0, got {self.num_samples}, {self.epoch}"
+            )
+        ids = self.sample_ids
+        if ids.dtype not in (torch.int32, torch.int64) or ids.shape != (self.num_samples,):
+            raise ValueError(
+                f"sample_ids must be int32/int64 [num_samples={self.num_samples}], got "
+                f"{ids.dtype} {list(ids.shape)}"
+            )
+
+
+def sample_ids_tensor(sample_ids: Sequence[int]) -> Tensor:
+    """``Contribution.sample_ids`` for ``sample_ids`` (ids >= 0): int32 [S] when every id
+    fits, else int64 [S]."""
+    high = max(sample_ids, default=0)
+    dtype = torch.int32 if high < 2**31 else torch.int64
+    return torch.tensor(sample_ids, dtype=dtype)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -28,6 +28,15 @@ SGD momentum under bounded staleness: a close whose gradient is ``d > 0`` versio
 ``momentum / (1 + d)`` (:func:`conveyor.training.optim.staleness_momentum`); the slice owners apply
 it.
 
+The sample ledger (:attr:`Coordinator.ledger`): folding a StepClose counts the ``sample_ids``
+of each contribution it applies under that contribution's ``epoch``: what the trainers say
+they computed on, never the plan's idea of the batches, so the ledger can prove (or disprove)
+that every train sample went into exactly one update per epoch. A contribution rejected and
+then applied anyway (a close decided by another coordinator during a handover, before it read
+the rejection) still counts: rejected contributions are kept while a close may apply them.
+Decisions reject a contribution whose sample ids are outside the dataset or whose batch ids
+are not all of its epoch ("invalid sample ids", "invalid batch ids").
+
 The learning-rate schedule's step: sync counts non-empty steps; ssp counts applied train
 batches / micro_batches_per_step (an ssp step holds one trainer's share). ``max_steps`` caps
 the version (what every trainer sees in the StepCloses, so all stop at the same point).
@@ -53,6 +62,7 @@ from conveyor.platform.messages import (
 from conveyor.services.aggregator.epochs import EpochBook
 from conveyor.services.aggregator.membership import Membership, allocate
 from conveyor.training.jobspec import JobSpec
+from conveyor.training.ledger import Ledger
 from conveyor.training.optim import aggregator_optimizer, lr_at, staleness_momentum
 from conveyor.training.plan import parse_batch_id
 from conveyor.training.routing import partition_weights
@@ -71,6 +81,9 @@ class CoordinatorConfig:
     """From the sharder's plan."""
     eval_batches_per_epoch: int
     """From the sharder's plan."""
+    dataset_samples: int
+    """Samples of the job's dataset, train and eval (from the sharder's plan): sample ids are
+    in ``[0, dataset_samples)``."""
     member_timeout_s: float = 10.0
     """A trainer not heard from for this long is no longer waited for."""
     batches_partitions: int | None = None
@@ -127,7 +140,12 @@ class Coordinator:
             train_batches=config.train_batches_per_epoch,
             eval_batches=config.eval_batches_per_epoch,
         )
+        self.ledger = Ledger(config.dataset_samples)
+        """Per-epoch counts of the sample ids of every applied contribution (module
+        docstring): the job's ledger.json, and part of the state a checkpoint snapshots
+        (:meth:`Ledger.to_arrays`) and a restore puts back."""
         self._pending: dict[str, Contribution] = {}  # arrival order
+        self._rejected: dict[str, Contribution] = {}  # that a close may still apply
         self._seen: set[str] = set()
         self._applied_in: dict[str, int] = {}  # contribution id -> version that applied it
         self._applied_batches: set[str] = set()
@@ -152,8 +170,10 @@ class Coordinator:
             self._fold_close(message)
         elif isinstance(message, Rejection):
             self._awaiting_rejections.discard(message.contribution_id)
-            if self._pending.pop(message.contribution_id, None) is not None:
+            rejected = self._pending.pop(message.contribution_id, None)
+            if rejected is not None:
                 self.rejected += 1
+                self._rejected[message.contribution_id] = rejected
         elif isinstance(message, EvalResult):
             self.epochs.evaluated(message, self.config.job_id)
         elif isinstance(message, CheckpointRequest):
@@ -188,8 +208,17 @@ class Coordinator:
             self._seen.add(contribution_id)
             self._applied_in[contribution_id] = close.version
             contribution = self._pending.pop(contribution_id, None)
+            if contribution is None:
+                contribution = self._rejected.pop(contribution_id, None)
             if contribution is not None:
                 loss_sum += contribution.loss_sum
+                self.ledger.add(contribution.epoch, contribution.sample_ids.numpy())
+            elif entry.num_samples > 0:
+                logger.error(
+                    "job %s: StepClose %d applies contribution %s, which was not folded "
+                    "before it: its samples are missing from the ledger",
+                    self.config.job_id, close.version, contribution_id,
+                )  # fmt: skip
             self.max_staleness = max(self.max_staleness, entry.staleness)
         if close.checkpoint is not None:
             self._requested_checkpoint = None
@@ -201,6 +230,9 @@ class Coordinator:
             self.last_loss = loss_sum / close.num_samples
             self.epochs.train_loss(close.epoch, loss_sum, close.num_samples)
         self.last_closed_at = close.closed_at
+        # A later close only takes contributions within the staleness bound of its base.
+        oldest = self.version - self.staleness_bound
+        self._rejected = {cid: c for cid, c in self._rejected.items() if c.base_version >= oldest}
 
     # -- derived state ---------------------------------------------------------------------
 
@@ -211,10 +243,6 @@ class Coordinator:
     def applied_version(self, contribution_id: str) -> int | None:
         """The version whose StepClose applied ``contribution_id`` (None: not applied)."""
         return self._applied_in.get(contribution_id)
-
-    def applied_batches(self) -> list[str]:
-        """Every applied batch id, in version order."""
-        return [b for v in sorted(self.closes) for b in self.closes[v].batch_ids]
 
     @property
     def applied_train_batches(self) -> int:
@@ -335,8 +363,13 @@ class Coordinator:
             refs = [parse_batch_id(b) for b in contribution.batch_ids]
         except ValueError:
             return "invalid batch ids"
-        if any(r.job_id != job_id or r.split != "train" for r in refs):
+        if any(
+            r.job_id != job_id or r.split != "train" or r.epoch != contribution.epoch for r in refs
+        ):
             return "invalid batch ids"
+        ids = contribution.sample_ids
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.config.dataset_samples:
+            return "invalid sample ids"
         if len(set(contribution.batch_ids)) != len(contribution.batch_ids) or any(
             b in self._applied_batches for b in contribution.batch_ids
         ):

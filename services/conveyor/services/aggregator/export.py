@@ -3,9 +3,10 @@
 - ``jobs/<job_id>/model.safetensors``: the model's state_dict; ``config.json`` beside it says
   how to rebuild and feed it (model name and options, num_classes, sample_shape, normalize),
   so the pair is self-describing: ``build_model(**config)`` + ``load_state_dict``.
-- ``jobs/<job_id>/ledger.json``: ``{"epochs": {"<epoch>": {"<sample_id>": count}}}``, how many
-  times each sample went into a model update (non-zero counts only). After a job every train
-  sample's count is 1 in every epoch trained: the exactly-once proof.
+- ``jobs/<job_id>/ledger.json``: the coordinator's :class:`~conveyor.training.ledger.Ledger`,
+  how many times each sample went into an applied model update per epoch, counted from the
+  sample ids the trainers computed on (never from the plan). After a job every train sample's
+  count is 1 in every epoch trained and no other sample has one: the exactly-once proof.
 
 Writes are synchronous (object-store I/O): call them from a thread.
 """
@@ -13,18 +14,17 @@ Writes are synchronous (object-store I/O): call them from a thread.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from numpy.typing import NDArray
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
 from conveyor.platform.storage import ObjectStore
 from conveyor.training.jobspec import JobSpec
+from conveyor.training.ledger import Ledger
 
 EXPORT_FORMAT = 1
 """Version of the config.json layout."""
@@ -33,52 +33,6 @@ EXPORT_FORMAT = 1
 def job_prefix(job_id: str) -> str:
     """Key prefix of a job's exports in the object store."""
     return f"jobs/{job_id}/"
-
-
-class Ledger:
-    """Counts per (epoch, sample id); ids are the dataset's global ids (>= 0)."""
-
-    def __init__(self, num_samples: int) -> None:
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        self._size = num_samples
-        self._counts: dict[int, NDArray[np.int32]] = {}
-
-    def add(self, epoch: int, sample_ids: Iterable[int]) -> None:
-        """Count one update contribution of each id (ids may repeat)."""
-        ids = np.fromiter(sample_ids, dtype=np.int64)  # [B]
-        if ids.size == 0:
-            return
-        if int(ids.min()) < 0:
-            raise ValueError(f"sample ids must be >= 0, got {int(ids.min())}")
-        counts = self._counts.get(epoch)
-        needed = max(self._size, int(ids.max()) + 1)
-        if counts is None or counts.size < needed:
-            grown = np.zeros(needed, dtype=np.int32)
-            if counts is not None:
-                grown[: counts.size] = counts
-            counts = self._counts[epoch] = grown
-        np.add.at(counts, ids, 1)
-
-    def counts(self, epoch: int) -> dict[int, int]:
-        """{sample id: count} of one epoch, non-zero counts only."""
-        counts = self._counts.get(epoch)
-        if counts is None:
-            return {}
-        nonzero = np.flatnonzero(counts)
-        return dict(zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True))
-
-    def epochs(self) -> list[int]:
-        return sorted(self._counts)
-
-    def to_json(self) -> dict[str, Any]:
-        """The ledger.json document."""
-        return {
-            "epochs": {
-                str(epoch): {str(sample): n for sample, n in self.counts(epoch).items()}
-                for epoch in self.epochs()
-            }
-        }
 
 
 def export_model(

@@ -12,10 +12,9 @@ from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import ParamSlice, Topics
 from conveyor.platform.storage import ObjectStore
 from conveyor.services.aggregator.coordinator import Coordinator
-from conveyor.services.aggregator.export import Ledger, build_summary, export_model, write_ledger
+from conveyor.services.aggregator.export import build_summary, export_model, write_ledger
 from conveyor.services.aggregator.job import AggregatorError, JobContext
 from conveyor.services.aggregator.params import last_param_slices
-from conveyor.training.plan import parse_batch_id
 
 _POLL_S = 0.2
 
@@ -47,8 +46,8 @@ async def final_params(
 def write_outputs(
     store: ObjectStore, ctx: JobContext, flat: torch.Tensor, coordinator: Coordinator
 ) -> str:
-    """Export the model at ``flat`` and write the ledger of the applied train batches
-    (blocking). Returns the model's URI."""
+    """Export the model at ``flat`` and write the coordinator's ledger (the sample ids the
+    applied contributions were computed on; blocking). Returns the model's URI."""
     model = ctx.build_model()
     ctx.layout.load_flat(model, flat)
     uri = export_model(
@@ -60,10 +59,7 @@ def write_outputs(
         sample_shape=ctx.sample_shape,
         step=coordinator.steps,
     )
-    ledger = Ledger(ctx.plan.num_train + ctx.plan.num_eval)
-    for batch_id in coordinator.applied_batches():
-        ledger.add(parse_batch_id(batch_id).epoch, ctx.plan.batch_sample_ids(batch_id))
-    write_ledger(store, ctx.job_id, ledger)
+    write_ledger(store, ctx.job_id, coordinator.ledger)
     return uri
 
 

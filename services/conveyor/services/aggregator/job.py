@@ -33,7 +33,7 @@ class JobContext:
     planned: JobPlanned
     """The sharder's announcement of the plan (shapes, batch counts, topics)."""
     plan: JobPlan
-    """The deterministic plan itself (batch id -> sample ids, for the ledger)."""
+    """The deterministic plan itself, checked against the announcement."""
     layout: ParamLayout
     bounds: list[tuple[int, int]]
     """[start, stop) of each slice of the flat parameters."""
@@ -59,6 +59,11 @@ class JobContext:
     @property
     def eval_batches_per_epoch(self) -> int:
         return self.planned.eval_batches_per_epoch
+
+    @property
+    def dataset_samples(self) -> int:
+        """Samples of the dataset, train and eval: sample ids are in ``[0, dataset_samples)``."""
+        return self.planned.num_train + self.planned.num_eval
 
     @property
     def batches_partitions(self) -> int:

@@ -118,6 +118,7 @@ class JobAggregator:
                 spec=ctx.spec,
                 train_batches_per_epoch=ctx.train_batches_per_epoch,
                 eval_batches_per_epoch=ctx.eval_batches_per_epoch,
+                dataset_samples=ctx.dataset_samples,
                 member_timeout_s=settings.member_timeout_s,
                 batches_partitions=ctx.batches_partitions,
             )

@@ -11,6 +11,7 @@ Reads as the loop it runs::
             (eval batches of ended epochs are evaluated on the way, EvalResult per batch)
         none within empty_contribution_wait_s -> an empty contribution (sync)
         flat gradient -> K slices -> encode -> send all GradSlices, await acks -> Contribution
+            (its batch ids, and the sample ids of every forward/backward it ran)
     then evaluate what still comes, until the job is terminal (the service cancels us)
 
 What the control log says drives everything else (:meth:`JobRunner._on_control`): a StepClose
@@ -49,7 +50,6 @@ from conveyor.platform.messages import (
     TrainerJoined,
     TrainerState,
 )
-from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings
@@ -59,6 +59,7 @@ from conveyor.services.trainer.plane.control import Applied, Outcome
 from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
+from conveyor.services.trainer.plane.sending import Computed
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.reporting.reporter import Reporter
@@ -303,42 +304,42 @@ class JobRunner:
         wanted = plane.control.micro_batches_for(
             self.session.spec.micro_batches_per_step, time.time()
         )
-        batches, results, wait_s = await self._gather(wanted)
-        if not batches:
+        computed, wait_s = await self._gather(wanted)
+        if not computed:
             if plane.outstanding.mode == "sync" and not self._training_over():
-                pending = await plane.sender.send_empty(base)
+                pending = await plane.sender.send_empty(base, plane.control.current_epoch)
                 plane.outstanding.add(pending)
                 self.figures.empty_sent()
             return
         encoded, encode_s = await self._compute(
-            engine.gradient, sum(result.samples for result in results)
+            engine.gradient, sum(c.result.samples for c in computed)
         )
-        pending, grad_send_s = await plane.sender.send(base, batches, results, encoded)
+        pending, grad_send_s = await plane.sender.send(base, computed, encoded)
         plane.outstanding.add(pending)
         self.figures.contribution_sent(
             grad_bytes=encoded.nbytes,
             data_wait_s=wait_s,
-            h2d_s=sum(b.h2d_s for b in batches),
-            batches_compute_s=sum(r.compute_s for r in results),
+            h2d_s=sum(b.h2d_s for b in pending.batches),
+            batches_compute_s=sum(c.result.compute_s for c in computed),
             encode_s=encode_s,
             grad_send_s=grad_send_s,
             param_wait_s=param_wait_s,
         )
 
-    async def _gather(self, wanted: int) -> tuple[list[ReadyBatch], list[MicroResult], float]:
+    async def _gather(self, wanted: int) -> tuple[list[Computed], float]:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
-        stops early when none arrives within ``empty_contribution_wait_s``."""
+        stops early when none arrives within ``empty_contribution_wait_s``. Returns the passes
+        computed (one per forward/backward) and the seconds waited for data."""
         intake = self.intake
-        batches: list[ReadyBatch] = []
-        results: list[MicroResult] = []
+        computed: list[Computed] = []
         wait_s = 0.0
-        while len(batches) < wanted and not self._training_over():
+        while len(computed) < wanted and not self._training_over():
             intake.drop_revoked()
             await self._evaluate_ready()
             item, dropped = intake.book.next_train(self.plane.control)
             self.figures.batches_dropped(dropped, "applied elsewhere")
             if item is None:
-                if batches and self._epoch_in_hand(batches):
+                if computed and self._epoch_in_hand([c.batch for c in computed]):
                     break  # the rest of the epoch is here: waiting would only stall the step
                 received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
                 wait_s += waited
@@ -347,9 +348,8 @@ class JobRunner:
                 continue
             result = await self._compute(self.session.engine.accumulate, item.x, item.y, span=item)
             self.figures.batch_done(item, result)
-            batches.append(item)
-            results.append(result)
-        return batches, results, wait_s
+            computed.append(Computed(item, result))
+        return computed, wait_s
 
     def _epoch_in_hand(self, gathered: list[ReadyBatch]) -> bool:
         """Every train batch of the current epoch not applied yet is ``gathered`` for this

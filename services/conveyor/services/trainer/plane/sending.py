@@ -5,22 +5,35 @@ index, then every ack awaited); only then is its Contribution published on the c
 so a Contribution on the log promises that every slice of it is on the grads topic. The
 ``grad send`` span covers both and links to the process spans of the contribution's batches
 (a fan-in of several traces).
+
+A Contribution says what its gradient was computed on: one :class:`Computed` per forward and
+backward pass the step ran, whose batch's sample ids go into ``sample_ids`` in that order (the
+coordinator's sample ledger counts them); ``batch_ids`` names each batch once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from opentelemetry.trace import Link, Tracer
 
 from conveyor.platform.bus import Producer
-from conveyor.platform.messages import Contribution, EvalResult, GradSlice
+from conveyor.platform.messages import Contribution, EvalResult, GradSlice, sample_ids_tensor
 from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.data.prefetch import ReadyBatch
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """One forward/backward pass a step ran: the micro-batch and what it gave."""
+
+    batch: ReadyBatch
+    result: MicroResult
 
 
 class ContributionSender:
@@ -42,18 +55,17 @@ class ContributionSender:
         return contribution_id
 
     async def send(
-        self,
-        base_version: int,
-        batches: list[ReadyBatch],
-        results: list[MicroResult],
-        encoded: EncodedGrad,
+        self, base_version: int, computed: list[Computed], encoded: EncodedGrad
     ) -> tuple[Pending[ReadyBatch], float]:
-        """Send the slices, await their acks, publish the Contribution; returns it as
-        :class:`Pending` and the seconds it took. Raises ``BusError`` when the broker fails."""
+        """Send the slices of ``encoded`` (the gradient accumulated by ``computed``, all of one
+        epoch), await their acks, publish the Contribution; returns it as :class:`Pending` and
+        the seconds it took. Raises ``BusError`` when the broker fails."""
         session, contribution_id = self._session, self._next_id()
         started = time.perf_counter()
-        num_samples = sum(r.samples for r in results)
-        loss_sum = sum(r.loss_sum for r in results)
+        batches = list({c.batch.batch_id: c.batch for c in computed}.values())  # each once
+        num_samples = sum(c.result.samples for c in computed)
+        loss_sum = sum(c.result.loss_sum for c in computed)
+        sample_ids = sample_ids_tensor([i for c in computed for i in c.batch.sample_ids])
         links = [Link(batch.span.get_span_context()) for batch in batches]
         attributes: dict[str, str | int] = {
             "conveyor.contribution_id": contribution_id,
@@ -91,6 +103,8 @@ class ContributionSender:
                     base_version=base_version,
                     num_samples=num_samples,
                     batch_ids=[batch.batch_id for batch in batches],
+                    epoch=batches[0].epoch,
+                    sample_ids=sample_ids,
                     loss_sum=loss_sum,
                     grad_bytes=encoded.nbytes,
                     sent_at=time.time(),
@@ -109,8 +123,9 @@ class ContributionSender:
         )
         return pending, time.perf_counter() - started
 
-    async def send_empty(self, base_version: int) -> Pending[ReadyBatch]:
-        """Publish an empty Contribution (no batch was ready; it has no GradSlices)."""
+    async def send_empty(self, base_version: int, epoch: int) -> Pending[ReadyBatch]:
+        """Publish an empty Contribution (no batch was ready; it has no GradSlices) while the
+        trainer is at ``epoch``."""
         session, contribution_id = self._session, self._next_id()
         await self._producer.publish(
             session.plan.control_topic,
@@ -121,6 +136,8 @@ class ContributionSender:
                 base_version=base_version,
                 num_samples=0,
                 batch_ids=[],
+                epoch=epoch,
+                sample_ids=sample_ids_tensor([]),
                 loss_sum=0.0,
                 grad_bytes=0,
                 sent_at=time.time(),
