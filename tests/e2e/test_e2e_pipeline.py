@@ -61,7 +61,15 @@ def s3_env(s3: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, str]) -> Iterator[RunningStack]:
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The local directory the stack lets jobs read datasets from (`--allow-data`)."""
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, s3: dict[str, str], data_dir: Path
+) -> Iterator[RunningStack]:
     storage_uri = f"s3://{s3['bucket']}/stack"
     args = [
         *("--s3", s3["endpoint"]),
@@ -69,6 +77,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, str]) -> Itera
         *("--s3-secret-key", s3["secret_key"]),
         *("--s3-region", s3["region"]),
         *("--storage-uri", storage_uri),
+        *("--allow-data", str(data_dir)),
+        *("--allow-data", f"s3://{s3['bucket']}/datasets"),
     ]
     storage = StorageSettings(
         uri=storage_uri,
@@ -80,6 +90,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, str]) -> Itera
     state_dir = tmp_path_factory.mktemp("pipeline") / "state"
     with running_stack(state_dir, args=args, storage=storage) as running:
         assert running.state.storage_uri == storage_uri
+        assert running.state.dataset_roots == (
+            f"file://{data_dir}", f"s3://{s3['bucket']}/datasets",
+        )  # fmt: skip
         yield running
 
 
@@ -143,7 +156,9 @@ def test_npz_dataset_in_s3_trains_every_sample_exactly_once(
     assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
 
 
-def test_bad_spec_is_rejected_with_field_locations(stack: RunningStack) -> None:
+def test_bad_spec_is_rejected_with_field_locations(
+    stack: RunningStack, s3: dict[str, str], tmp_path: Path
+) -> None:
     before = len(stack.gateway.jobs(limit=1000))
     spec = digits_spec("Not A Valid Name!", color="blue")
     spec["training"] = {**spec["training"], "optimizer": {"name": "rmsprop", "lr": 0.1}}
@@ -158,24 +173,38 @@ def test_bad_spec_is_rejected_with_field_locations(stack: RunningStack) -> None:
         ("body", "training", "optimizer", "name"),
     } <= locations, locations
     assert all(error["msg"] for error in response.json()["detail"])
+    # A valid spec naming places outside the operator's roots: refused per field, unwritten.
+    elsewhere = tmp_path / "elsewhere"
+    outside = digits_spec("outside-roots", dataset={"uri": f"npz://s3://{s3['bucket']}/sets"})
+    outside["checkpoint"] = {"uri": f"file://{elsewhere}"}
+    response = httpx.post(f"{stack.state.gateway_url}/v1/jobs", json=outside, timeout=10)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert [error["loc"] for error in detail] == [
+        ["body", "checkpoint", "uri"], ["body", "dataset", "uri"],
+    ]  # fmt: skip
+    assert f"outside the allowed output roots ({stack.state.storage_uri})" in detail[0]["msg"]
+    assert f"s3://{s3['bucket']}/datasets)" in detail[1]["msg"]
+    assert not elsewhere.exists()
     # Nothing was accepted.
     assert len(stack.gateway.jobs(limit=1000)) == before
 
 
 def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
-    stack: RunningStack, tmp_path: Path
+    stack: RunningStack, data_dir: Path
 ) -> None:
-    missing = stack.submit(digits_spec("missing-data", dataset={"uri": "npz:///nonexistent"}))
+    missing_uri = f"npz://{data_dir}/nonexistent"  # inside the allowed roots, but not there
+    missing = stack.submit(digits_spec("missing-data", dataset={"uri": missing_uri}))
     # A later shard is corrupted: the sharder's open (which checks the first shard) succeeds,
     # the preprocessor's read of the broken shard fails the job.
-    uri = pack_npz(*digits_arrays(), str(tmp_path / "npz"), shard_size=450).uri
-    shard = tmp_path / "npz" / "shard-00002.npz"
+    uri = pack_npz(*digits_arrays(), str(data_dir / "npz"), shard_size=450).uri
+    shard = data_dir / "npz" / "shard-00002.npz"
     shard.write_bytes(b"not an npz file" + shard.read_bytes()[15:])
     corrupt = stack.submit(digits_spec("corrupt-data", dataset={"uri": uri, "eval_fraction": 0.2}))
 
     failed = stack.wait_job(missing, timeout_s=30)
     assert failed["state"] == "failed"
-    assert "npz:///nonexistent" in failed["reason"] and "does not exist" in failed["reason"]
+    assert missing_uri in failed["reason"] and "does not exist" in failed["reason"]
     failed = stack.wait_job(corrupt, timeout_s=60)
     assert failed["state"] == "failed"
     assert "shard-00002.npz is corrupt" in failed["reason"], failed["reason"]

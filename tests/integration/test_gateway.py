@@ -48,15 +48,15 @@ class Gateway:
 
 @asynccontextmanager
 async def serving_gateway(
-    kafka: KafkaSettings, objects: Path | None = None, **settings: Any
+    kafka: KafkaSettings, storage: StorageSettings | None = None, **settings: Any
 ) -> AsyncIterator[Gateway]:
-    """A GatewayService that serves HTTP (ready or not) and a client pointed at it; its object
-    store is the directory ``objects`` (none by default: a path nothing writes)."""
+    """A GatewayService that serves HTTP (ready or not) and a client pointed at it; ``storage``
+    gives the roots jobs may use (default: the object store only)."""
     settings.setdefault("api_token", None)
     service = GatewayService(
         settings=GatewaySettings(port=0, **settings),
         kafka=kafka,
-        storage=StorageSettings(uri=f"file://{objects or '/nonexistent/conveyor-objects'}"),
+        storage=storage or StorageSettings(uri="file://./.conveyor/objects"),
         telemetry=TelemetrySettings(otlp_endpoint=None),
     )
     serving = asyncio.create_task(service.serve())
@@ -85,11 +85,11 @@ async def wait_ready(gw: Gateway, timeout_s: float = 30.0) -> None:
 
 @asynccontextmanager
 async def running_gateway(
-    kafka: KafkaSettings, objects: Path | None = None, **settings: Any
+    kafka: KafkaSettings, storage: StorageSettings | None = None, **settings: Any
 ) -> AsyncIterator[Gateway]:
     """A ready gateway over the topics the sharder would have created."""
     await create_topology(kafka, TopologySettings())
-    async with serving_gateway(kafka, objects, **settings) as gw:
+    async with serving_gateway(kafka, storage, **settings) as gw:
         await wait_ready(gw)
         yield gw
 
@@ -365,6 +365,99 @@ async def test_validation_errors_are_422_with_field_locations(gateway: Gateway) 
     assert empty_key.status_code == 422
 
 
+ROOTS_REFUSED = [
+    # (field, location, what must stay absent or empty afterwards)
+    ("checkpoint", "file://{tmp}/elsewhere/ckpt", "elsewhere"),  # an absolute path elsewhere
+    ("checkpoint", "file://{tmp}/out/../escaped", "escaped"),  # a '..' escape
+    ("checkpoint", "file://{tmp}/out/sub/../../escaped", "escaped"),
+    ("checkpoint", "file://{tmp}/out/leak/ckpt", "secret"),  # a symbolic link escape
+    ("checkpoint", "file://{tmp}/out2", "out2"),  # a sibling directory sharing the prefix
+    ("checkpoint", "s3://other-bucket/ckpt", None),  # another bucket
+    ("checkpoint", "s3://roots-bkt/out2/ckpt", None),  # a sibling prefix
+    ("checkpoint", "file://{tmp}/data/ckpt", "data/ckpt"),  # a dataset root is read-only
+    ("dataset", "npz://{tmp}/elsewhere", "elsewhere"),
+    ("dataset", "npz://{tmp}/data/../escaped", "escaped"),
+    ("dataset", "mnist-idx://{tmp}/data/leak", "secret"),
+    ("dataset", "npz://s3://other-bucket/set", None),
+    ("dataset", "npz://s3://roots-bkt/data2", None),
+]
+ROOTS_ACCEPTED = [
+    ("checkpoint", "file://{tmp}/out/ckpt"),
+    ("checkpoint", "file://{tmp}/out/sub/../ckpt2"),
+    ("checkpoint", "s3://roots-bkt/out/job"),
+    ("checkpoint", "file://{tmp}/objects/ckpt"),  # the object store is always allowed
+    ("dataset", "npz://{tmp}/data/set"),
+    ("dataset", "npz://s3://roots-bkt/data/set"),
+    ("dataset", "npz://{tmp}/objects/set"),
+]
+
+
+def spec_naming(field: str, location: str) -> dict[str, Any]:
+    if field == "checkpoint":
+        return {**SPEC, "checkpoint": {**SPEC["checkpoint"], "uri": location}}
+    return {**SPEC, "dataset": {**SPEC["dataset"], "uri": location}}
+
+
+@pytest.fixture
+def roots_tree(tmp_path: Path) -> Path:
+    """``objects/``, ``out/sub/``, ``data/``, ``secret/``; ``out/leak``, ``data/leak`` -> secret."""
+    tmp = tmp_path.resolve()
+    for directory in ("objects", "out/sub", "data", "secret"):
+        (tmp / directory).mkdir(parents=True)
+    (tmp / "out" / "leak").symlink_to(tmp / "secret")
+    (tmp / "data" / "leak").symlink_to(tmp / "secret")
+    return tmp
+
+
+async def test_locations_outside_the_roots_are_422_and_nothing_is_published(
+    kafka_settings: KafkaSettings, roots_tree: Path
+) -> None:
+    tmp = roots_tree
+    storage = StorageSettings(
+        uri=f"file://{tmp}/objects",
+        output_roots=(f"{tmp}/out", "s3://roots-bkt/out"),
+        dataset_roots=(f"file://{tmp}/data", "s3://roots-bkt/data"),
+    )
+    allowed = {
+        "checkpoint": f"(file://{tmp}/objects, file://{tmp}/out, s3://roots-bkt/out)",
+        "dataset": f"(file://{tmp}/objects, file://{tmp}/data, s3://roots-bkt/data)",
+    }
+    async with running_gateway(kafka_settings, storage) as gw:
+        for field, template, target in ROOTS_REFUSED:
+            location = template.format(tmp=tmp)
+            response = await gw.client.post("/v1/jobs", json=spec_naming(field, location))
+            assert response.status_code == 422, (location, response.text)
+            [error] = response.json()["detail"]
+            assert error["loc"] == ["body", field, "uri"], location
+            assert error["type"] == "location_not_allowed"
+            kind = "output" if field == "checkpoint" else "dataset"
+            assert f"is outside the allowed {kind} roots {allowed[field]}" in error["msg"]
+            if target is not None:
+                path = tmp / target
+                assert not path.exists() or not any(path.iterdir()), (location, target)
+        both = {
+            **spec_naming("checkpoint", f"file://{tmp}/secret"),
+            "dataset": {"uri": f"npz://{tmp}/secret"},
+        }
+        response = await gw.client.post("/v1/jobs", json=both, headers={"Idempotency-Key": "r"})
+        assert response.status_code == 422
+        assert [e["loc"] for e in response.json()["detail"]] == [
+            ["body", "checkpoint", "uri"], ["body", "dataset", "uri"],
+        ]  # fmt: skip
+        assert await jobs_topic_events(kafka_settings) == []  # nothing reached the services
+        assert (await gw.client.get("/v1/jobs")).json()["count"] == 0
+
+        for field, template in ROOTS_ACCEPTED:
+            location = template.format(tmp=tmp)
+            response = await gw.client.post("/v1/jobs", json=spec_naming(field, location))
+            assert response.status_code == 201, (location, response.text)
+            assert response.json()["spec"][field]["uri"] == location  # as the client wrote it
+    submitted = await jobs_topic_events(kafka_settings)
+    assert [e.EVENT for e in submitted] == ["submitted"] * len(ROOTS_ACCEPTED)
+    assert sorted(p.name for p in tmp.iterdir()) == ["data", "objects", "out", "secret"]
+    assert not any((tmp / "secret").iterdir())
+
+
 async def test_metrics(gateway: Gateway) -> None:
     await gateway.client.post("/v1/jobs", json=SPEC)
     await gateway.client.get("/v1/jobs/nope")
@@ -423,7 +516,7 @@ async def test_checkpoints_are_listed_requested_and_the_model_served(
     kafka_settings: KafkaSettings, tmp_path: Path
 ) -> None:
     objects = tmp_path / "objects"
-    async with running_gateway(kafka_settings, objects) as gw:
+    async with running_gateway(kafka_settings, StorageSettings(uri=f"file://{objects}")) as gw:
         job_id = (await gw.client.post("/v1/jobs", json=SPEC)).json()["id"]
         assert (await gw.client.get(f"/v1/jobs/{job_id}/checkpoints")).json()["count"] == 0
         pending = await gw.client.post(f"/v1/jobs/{job_id}/checkpoints")

@@ -8,8 +8,11 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 import serving
 import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -27,7 +30,7 @@ from conveyor.platform.config import (
 from conveyor.platform.messages import Batch, JobEvent, Message, ShardTask, Topics
 from conveyor.services.preprocessor.config import PreprocessorSettings
 from conveyor.services.preprocessor.service import PreprocessorService
-from conveyor.training.datasets import open_dataset
+from conveyor.training.datasets import open_dataset, pack_npz
 from conveyor.training.plan import JobPlan
 from conveyor.training.routing import choose_partition
 
@@ -36,18 +39,22 @@ SLOW = "synthetic://?n=4000&shape=1x8x8&classes=10&seed=2&cost_ms=4"
 STAMPS = {"released", "read_start", "read_end", "augment_end", "sent"}
 
 
-def make_service(kafka: KafkaSettings, **settings: Any) -> PreprocessorService:
+def make_service(
+    kafka: KafkaSettings, storage: StorageSettings | None = None, **settings: Any
+) -> PreprocessorService:
     return PreprocessorService(
         settings=PreprocessorSettings(**settings),
         kafka=kafka,
-        storage=StorageSettings(),
+        storage=storage or StorageSettings(uri="file://./.conveyor/objects"),
         telemetry=TelemetrySettings(otlp_endpoint=None),
     )
 
 
 @asynccontextmanager
-async def running(kafka: KafkaSettings, **settings: Any) -> AsyncIterator[PreprocessorService]:
-    service = make_service(kafka, **settings)
+async def running(
+    kafka: KafkaSettings, storage: StorageSettings | None = None, **settings: Any
+) -> AsyncIterator[PreprocessorService]:
+    service = make_service(kafka, storage, **settings)
     async with serving.running(service):
         yield service
 
@@ -232,14 +239,15 @@ def _span(span: ReadableSpan) -> int:
 
 
 async def test_ended_jobs_are_dropped_and_bad_datasets_fail_the_job(
-    kafka_settings: KafkaSettings,
+    kafka_settings: KafkaSettings, tmp_path: Path
 ) -> None:
     topics = await setup_topics(kafka_settings, "bad", "good")
     gone = shard_tasks("gone", DIGITS, 1797, 2)  # no batches topic: the job ended
-    bad = shard_tasks("bad", "npz:///nonexistent/conveyor-test", 1797, 3)
+    bad = shard_tasks("bad", f"npz://{tmp_path}/nonexistent/conveyor-test", 1797, 3)
     good = shard_tasks("good", DIGITS, 1797, 2)
+    storage = StorageSettings(uri=f"file://{tmp_path}/objects", dataset_roots=(str(tmp_path),))
     async with (
-        running(kafka_settings),
+        running(kafka_settings, storage),
         TopicReader(kafka_settings, topics.batches("good")) as out,
         TopicReader(kafka_settings, topics.jobs) as jobs,
     ):
@@ -251,6 +259,48 @@ async def test_ended_jobs_are_dropped_and_bad_datasets_fail_the_job(
     assert [(e.job_id, e.EVENT) for e in failed] == [("bad", "failed")]  # once per job
     assert "/nonexistent/conveyor-test" in failed[0].details()["reason"]
     assert failed[0].details()["reason"].startswith("shard bad:e0:train:")
+
+
+@pytest.fixture
+def secret_dataset(tmp_path: Path) -> Path:
+    """An 80-sample npz dataset in ``secret/set``, an empty ``data/`` and ``data/leak`` ->
+    secret."""
+    tmp = tmp_path.resolve()
+    x, y = np.zeros((80, 8, 8), np.uint8), np.arange(80, dtype=np.int64) % 10  # [N,8,8], [N]
+    pack_npz(x, y, f"npz://{tmp}/secret/set", shard_size=40)
+    (tmp / "data").mkdir()
+    (tmp / "data" / "leak").symlink_to(tmp / "secret")
+    return tmp
+
+
+async def test_a_task_whose_dataset_is_outside_the_roots_fails_its_job_unread(
+    kafka_settings: KafkaSettings, secret_dataset: Path
+) -> None:
+    # A shard task put on the shards topic directly, past the sharder's check: the dataset is
+    # real and readable, so only the preprocessor's own check keeps it from being read.
+    tmp = secret_dataset
+    topics = await setup_topics(kafka_settings, "outside", "linked")
+    outside = shard_tasks("outside", f"npz://{tmp}/secret/set", 80, 1)
+    linked = shard_tasks("linked", f"npz://{tmp}/data/leak/set", 80, 1)
+    storage = StorageSettings(uri=f"file://{tmp}/objects", dataset_roots=(f"{tmp}/data",))
+    async with (
+        running(kafka_settings, storage) as service,
+        TopicReader(kafka_settings, topics.jobs) as jobs,
+        TopicReader(kafka_settings, topics.batches("outside")) as out,
+    ):
+        await publish_tasks(kafka_settings, [*outside, *linked])
+        await jobs.wait_for(lambda m: len([e for e in m if isinstance(e, JobEvent)]) == 2, 20)
+        await committed_offsets(kafka_settings, topics.shards, topics.preprocessor_group)
+        assert service.readiness()  # serving on, for the jobs whose data it may read
+        assert out.messages == []
+    failed = {e.job_id: e.details()["reason"] for e in jobs.messages if isinstance(e, JobEvent)}
+    assert sorted(failed) == ["linked", "outside"]
+    for job_id, reason in failed.items():
+        assert reason.startswith(f"shard {job_id}:e0:train:00000: dataset.uri: "), reason
+        assert (
+            f"is outside the allowed dataset roots (file://{tmp}/objects, file://{tmp}/data)"
+            in reason
+        )
 
 
 async def test_a_task_cut_short_is_redone_by_the_next_member(

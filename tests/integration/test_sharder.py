@@ -6,8 +6,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from job_events import job_event
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -24,6 +27,7 @@ from conveyor.platform.config import (
 from conveyor.platform.messages import JobEvent, Message, ShardTask, Topics
 from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.service import SharderService
+from conveyor.training.datasets import pack_npz
 from conveyor.training.plan import JobPlan
 
 DIGITS_SPEC: dict[str, Any] = {
@@ -43,19 +47,22 @@ DIGITS_SPEC: dict[str, Any] = {
 def spec_with(**changes: Any) -> dict[str, Any]:
     spec = {**DIGITS_SPEC}
     for key, value in changes.items():
-        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return spec
 
 
 @asynccontextmanager
 async def running_sharder(
-    kafka: KafkaSettings, topology: TopologySettings | None = None, **settings: Any
+    kafka: KafkaSettings,
+    topology: TopologySettings | None = None,
+    storage: StorageSettings | None = None,
+    **settings: Any,
 ) -> AsyncIterator[SharderService]:
     service = SharderService(
         settings=SharderSettings(tick_s=0.1, **settings),
         topology=topology or TopologySettings(),
         kafka=kafka,
-        storage=StorageSettings(),
+        storage=storage or StorageSettings(uri="file://./.conveyor/objects"),
         telemetry=TelemetrySettings(otlp_endpoint=None),
     )
     async with running(service):
@@ -244,10 +251,16 @@ async def test_a_finished_jobs_topics_stay_for_the_grace_then_go(
         assert time.monotonic() - ended >= grace_s - 0.5  # not before it (the event's echo)
 
 
-async def test_bad_jobs_fail_and_the_next_job_is_planned(kafka_settings: KafkaSettings) -> None:
+async def test_bad_jobs_fail_and_the_next_job_is_planned(
+    kafka_settings: KafkaSettings, tmp_path: Path
+) -> None:
     topics = Topics(kafka_settings.topic_prefix)
-    async with running_sharder(kafka_settings), TopicReader(kafka_settings, topics.jobs) as jobs:
-        bad_uri = "npz:///nonexistent/conveyor-test-dataset"
+    storage = StorageSettings(uri=f"file://{tmp_path}/objects", dataset_roots=(str(tmp_path),))
+    async with (
+        running_sharder(kafka_settings, storage=storage),
+        TopicReader(kafka_settings, topics.jobs) as jobs,
+    ):
+        bad_uri = f"npz://{tmp_path}/nonexistent-dataset"  # allowed, but not there
         await publish(kafka_settings, "bad-data", "submitted",
                       {"spec": spec_with(dataset={"uri": bad_uri})})  # fmt: skip
         await publish(kafka_settings, "bad-spec", "submitted",
@@ -313,3 +326,68 @@ async def test_restart_replans_and_continues_from_the_cursor(
         while topics.batches("job2") in await topic_names(kafka_settings):
             assert time.monotonic() < deadline, "job topics not deleted"
             await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+def datasets_tree(tmp_path: Path) -> Path:
+    """The same 40-sample npz dataset in ``data/set`` and ``secret/set``; ``data/leak`` ->
+    secret."""
+    tmp = tmp_path.resolve()
+    x, y = np.zeros((40, 8, 8), np.uint8), np.arange(40, dtype=np.int64) % 10  # [N,8,8], [N]
+    for where in ("data", "secret"):
+        pack_npz(x, y, f"npz://{tmp}/{where}/set", shard_size=20)
+    (tmp / "data" / "leak").symlink_to(tmp / "secret")
+    return tmp
+
+
+async def test_jobs_naming_places_outside_the_roots_fail_unplanned(
+    kafka_settings: KafkaSettings, datasets_tree: Path
+) -> None:
+    # Put on the jobs topic directly, past the gateway: the sharder refuses them with the same
+    # check. The datasets outside are real and readable, so only the check stops them.
+    tmp = datasets_tree
+    storage = StorageSettings(
+        uri=f"file://{tmp}/objects", output_roots=(f"{tmp}/out",), dataset_roots=(f"{tmp}/data",)
+    )
+    jobs_of = {
+        "elsewhere": spec_with(dataset={"uri": f"npz://{tmp}/secret/set"}),
+        "dotdot": spec_with(dataset={"uri": f"npz://{tmp}/data/../secret/set"}),
+        "link": spec_with(dataset={"uri": f"npz://{tmp}/data/leak/set"}),
+        "ckpt": spec_with(checkpoint={"uri": f"file://{tmp}/out/../written"}),
+        "inside": spec_with(
+            dataset={"uri": f"npz://{tmp}/data/set"}, checkpoint={"uri": f"file://{tmp}/out/j"}
+        ),
+    }
+    topics = Topics(kafka_settings.topic_prefix)
+    async with (
+        running_sharder(kafka_settings, storage=storage),
+        TopicReader(kafka_settings, topics.jobs) as jobs,
+    ):
+        for job_id, spec in jobs_of.items():
+            await publish(kafka_settings, job_id, "submitted", {"spec": spec})
+        refused = [job_id for job_id in jobs_of if job_id != "inside"]
+        await jobs.wait_for(
+            lambda m: (
+                bool(events(m, "inside", "planned"))
+                and all(events(m, job_id, "failed") for job_id in refused)
+            ),
+            20,
+        )
+        for job_id in refused:
+            [failed] = events(jobs.messages, job_id, "failed")
+            reason = failed.details()["reason"]
+            field, kind, allowed = (
+                ("checkpoint.uri", "output", f"(file://{tmp}/objects, file://{tmp}/out)")
+                if job_id == "ckpt"
+                else ("dataset.uri", "dataset", f"(file://{tmp}/objects, file://{tmp}/data)")
+            )
+            assert reason.startswith(f"{field}: "), reason
+            assert f"is outside the allowed {kind} roots {allowed}" in reason
+            assert not events(jobs.messages, job_id, "planned")
+        names = await topic_names(kafka_settings)
+        assert topics.batches("inside") in names
+        assert not {topics.batches(job_id) for job_id in refused} & names
+        [planned] = events(jobs.messages, "inside", "planned")
+        assert planned.details()["num_train"] + planned.details()["num_eval"] == 40
+    assert not (tmp / "written").exists()
+    assert sorted(p.name for p in tmp.iterdir()) == ["data", "secret"]

@@ -261,7 +261,10 @@ def _stack(tmp_path: Path, modes: dict[str, str]) -> tuple[StackConfig, dict[str
     script.write_text(FAKE_SERVICE)
     config = StackConfig(
         state_dir=tmp_path / "state",
-        storage=StorageSettings(uri=f"file://{tmp_path / 'objects'}"),
+        storage=StorageSettings(
+            uri=f"file://{tmp_path / 'objects'}",
+            dataset_roots=(f"file://{tmp_path / 'data'}", "s3://bkt/sets"),
+        ),
         health_timeout_s=20.0,
         stop_timeout_s=0.5,
     )
@@ -287,6 +290,11 @@ def test_services_get_settings_become_healthy_and_stop(tmp_path: Path) -> None:
     seen = httpx.get(sharder.health_url, timeout=5).json()
     assert seen["CONVEYOR_KAFKA_BOOTSTRAP"] == state.bootstrap
     assert seen["CONVEYOR_STORAGE_URI"] == f"file://{tmp_path / 'objects'}"
+    assert json.loads(seen["CONVEYOR_STORAGE_DATASET_ROOTS"]) == [
+        f"file://{tmp_path / 'data'}", "s3://bkt/sets",
+    ]  # fmt: skip
+    assert json.loads(seen["CONVEYOR_STORAGE_OUTPUT_ROOTS"]) == []
+    assert state.dataset_roots == (f"file://{tmp_path / 'data'}", "s3://bkt/sets")
     assert seen["CONVEYOR_TELEMETRY_HTTP_PORT"] == str(sharder.port)
     assert gateway.port != sharder.port
     assert probe_stack(state).healthy

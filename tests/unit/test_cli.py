@@ -296,3 +296,94 @@ def test_up_passes_scale_and_warns_when_running_stack_differs(
     other = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--scale", "sharder=3"])
     assert other.exit_code == 0
     assert "2 sharder process(es) (asked: 3)" in other.stderr
+
+
+def test_job_roots_default_to_the_working_directory_and_are_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path.resolve()  # what os.getcwd() gives after the chdir
+    monkeypatch.chdir(tmp_path)
+    default = resolve_storage(tmp_path, {})
+    assert default.dataset_roots == (f"file://{tmp_path}",)
+    assert default.output_roots == ()
+    given = resolve_storage(
+        tmp_path,
+        {"dataset_roots": ("data", "s3://bkt/sets"), "output_roots": ("file://./out", "/srv/o")},
+    )
+    assert given.dataset_roots == (f"file://{tmp_path}/data", "s3://bkt/sets")
+    assert given.output_roots == (f"file://{tmp_path}/out", "file:///srv/o")
+    monkeypatch.setenv("CONVEYOR_STORAGE_DATASET_ROOTS", '["/srv/data"]')
+    from_env = resolve_storage(tmp_path, {})
+    assert from_env.dataset_roots == ("file:///srv/data",)  # the operator's, not the cwd
+
+
+def test_the_services_read_the_roots_the_stack_passes_them(tmp_path: Path) -> None:
+    storage = resolve_storage(
+        tmp_path, {"dataset_roots": (str(tmp_path), "s3://bkt/d"), "output_roots": ("/srv/o",)}
+    )
+    config = stack.StackConfig(state_dir=tmp_path, storage=storage)
+    env = stack._service_env(config, "127.0.0.1:9092", 1234)
+    assert json.loads(env["CONVEYOR_STORAGE_DATASET_ROOTS"]) == [f"file://{tmp_path}", "s3://bkt/d"]
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "from conveyor.platform.config import StorageSettings; s = StorageSettings(); "
+         "print(repr((s.uri, s.dataset_roots, s.output_roots)))"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert child.stdout.strip() == repr(
+        (storage.uri, (f"file://{tmp_path}", "s3://bkt/d"), ("file:///srv/o",))
+    )
+
+
+def test_up_passes_allowed_roots_and_warns_when_the_running_stack_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running = StackState(
+        state_dir=str(tmp_path),
+        started_at=1.0,
+        bootstrap="127.0.0.1:1234",
+        broker=None,
+        storage_uri=f"file://{(tmp_path / 'objects').resolve()}",
+        dataset_roots=(f"file://{tmp_path}",),
+    )
+    configs: list[stack.StackConfig] = []
+
+    def already(config: stack.StackConfig, **kwargs: object) -> stack.StartOutcome:
+        configs.append(config)
+        return stack.StartOutcome(state=running, already_running=True)
+
+    monkeypatch.setattr(stack, "start_stack", already)
+    up = ["up", "--state-dir", str(tmp_path)]
+    same = runner.invoke(app, [*up, "--allow-data", str(tmp_path)])
+    assert same.exit_code == 0, same.output
+    assert "run `conveyor down` first" not in same.stderr
+    assert f"Job datasets     the object store, file://{tmp_path}" in same.stdout
+    other = runner.invoke(app, [*up, "--allow-data", "s3://bkt/d", "--allow-output", "/srv/o"])
+    assert other.exit_code == 0, other.output
+    assert configs[-1].storage.dataset_roots == ("s3://bkt/d",)
+    assert configs[-1].storage.output_roots == ("file:///srv/o",)
+    assert f"dataset roots file://{tmp_path} (asked: s3://bkt/d)" in other.stderr
+    assert "output roots - (asked: file:///srv/o)" in other.stderr
+    bad = runner.invoke(app, [*up, "--allow-output", "gs://bkt/o"])
+    assert bad.exit_code == 2
+    assert "only file://, s3:// or a local path" in bad.stderr
+
+
+def test_state_keeps_the_roots(tmp_path: Path) -> None:
+    state = StackState(
+        state_dir=str(tmp_path),
+        started_at=1.5,
+        bootstrap="127.0.0.1:9092",
+        broker=None,
+        storage_uri="s3://conveyor",
+        output_roots=("file:///srv/o",),
+        dataset_roots=("file:///srv/d", "s3://bkt/d"),
+    )
+    save_state(state)
+    assert load_state(tmp_path) == state
+    data = json.loads((tmp_path / "stack.json").read_text())
+    assert data["dataset_roots"] == ["file:///srv/d", "s3://bkt/d"]
+    del data["dataset_roots"], data["output_roots"]  # a record from before the roots
+    (tmp_path / "stack.json").write_text(json.dumps(data))
+    loaded = load_state(tmp_path)
+    assert loaded is not None and (loaded.dataset_roots, loaded.output_roots) == ((), ())

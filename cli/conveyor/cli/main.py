@@ -69,6 +69,25 @@ def up(
     s3_secret_key: Annotated[str | None, typer.Option(help="S3 secret key.")] = None,
     s3_region: Annotated[str | None, typer.Option(help="S3 region.")] = None,
     s3_secure: Annotated[bool | None, typer.Option(help="Use HTTPS for S3.")] = None,
+    allow_data: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-data",
+            metavar="LOCATION",
+            help="A directory or s3://BUCKET/PREFIX jobs may read datasets from, besides the "
+            "object store (env CONVEYOR_STORAGE_DATASET_ROOTS, a JSON list). Repeatable. "
+            "Default: the directory conveyor up runs in.",
+        ),
+    ] = None,
+    allow_output: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-output",
+            metavar="LOCATION",
+            help="A directory or s3://BUCKET/PREFIX a job's checkpoint.uri may name, besides "
+            "the object store (env CONVEYOR_STORAGE_OUTPUT_ROOTS, a JSON list). Repeatable.",
+        ),
+    ] = None,
     foreground: Annotated[
         bool,
         typer.Option("--foreground", help="Stay attached; Ctrl-C or SIGTERM stops the stack."),
@@ -105,6 +124,8 @@ def up(
                 "s3_secret_key": s3_secret_key,
                 "s3_region": s3_region,
                 "s3_secure": s3_secure,
+                "dataset_roots": tuple(allow_data) if allow_data else None,
+                "output_roots": tuple(allow_output) if allow_output else None,
             },
         )
     except ValidationError as exc:
@@ -141,7 +162,14 @@ def up(
     if outcome.replaced_stale:
         err.print("[yellow]a stale stack record was cleaned up[/yellow]")
     if outcome.already_running:
-        _warn_ignored_options(outcome.state, kafka=kafka, storage_uri=storage.uri, scale=replicas)
+        _warn_ignored_options(
+            outcome.state,
+            kafka=kafka,
+            storage_uri=storage.uri,
+            scale=replicas,
+            dataset_roots=storage.dataset_roots if allow_data else None,
+            output_roots=storage.output_roots if allow_output else None,
+        )
     if as_json:
         _print_json(display.started_json(outcome))
     else:
@@ -151,14 +179,27 @@ def up(
 
 
 def _warn_ignored_options(
-    state: StackState, *, kafka: str | None, storage_uri: str, scale: dict[str, int]
+    state: StackState,
+    *,
+    kafka: str | None,
+    storage_uri: str,
+    scale: dict[str, int],
+    dataset_roots: tuple[str, ...] | None = None,
+    output_roots: tuple[str, ...] | None = None,
 ) -> None:
-    """A running stack is reused as is: say so when the options asked for something else."""
+    """A running stack is reused as is: say so when the options asked for something else
+    (None: not asked)."""
     differs = []
     if kafka is not None and kafka != state.bootstrap:
         differs.append(f"Kafka {state.bootstrap} (asked: {kafka})")
     if storage_uri != state.storage_uri:
         differs.append(f"object store {state.storage_uri} (asked: {storage_uri})")
+    for what, asked, recorded in (
+        ("dataset roots", dataset_roots, state.dataset_roots),
+        ("output roots", output_roots, state.output_roots),
+    ):
+        if asked is not None and asked != recorded:
+            differs.append(f"{what} {', '.join(recorded) or '-'} (asked: {', '.join(asked)})")
     running = registry.replica_counts(s.name for s in state.services)
     for name, count in sorted(scale.items()):
         if running.get(name, 0) != count:

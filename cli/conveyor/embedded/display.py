@@ -19,6 +19,10 @@ def _yes_no(value: bool | None) -> str:
     return "[green]yes[/green]" if value else "[red]no[/red]"
 
 
+def _roots(roots: tuple[str, ...]) -> str:
+    return ", ".join(["the object store", *roots])
+
+
 def print_stack(console: Console, state: StackState) -> None:
     """The URLs a user needs: bootstrap, object store, every service, the gateway."""
     if state.broker is not None:
@@ -28,6 +32,8 @@ def print_stack(console: Console, state: StackState) -> None:
     lines = [
         f"  [bold]Kafka bootstrap[/bold]  {state.bootstrap}  [dim]({broker})[/dim]",
         f"  [bold]Object store[/bold]     {escape(state.storage_uri)}",
+        f"  [bold]Job datasets[/bold]     {escape(_roots(state.dataset_roots))}",
+        f"  [bold]Job outputs[/bold]      {escape(_roots(state.output_roots))}",
     ]
     if state.gateway_url:
         lines.append(f"  [bold]Gateway[/bold]          {state.gateway_url}")

@@ -9,6 +9,7 @@ directory's lock, so concurrent invocations never interleave.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +59,8 @@ class StackConfig:
     state_dir: Path
     """Holds ``stack.json``, ``logs/`` and, by default, the object store's directory."""
     storage: StorageSettings
-    """Object store of the stack; its ``file://`` path must already be absolute."""
+    """Object store of the stack and the roots jobs may use; its ``file://`` path and local
+    roots must already be absolute (:func:`~conveyor.embedded.store.resolve_storage`)."""
     kafka_bootstrap: str | None = None
     """Use this Kafka cluster instead of starting the embedded broker."""
     host: str = "127.0.0.1"
@@ -93,6 +95,8 @@ def _service_env(config: StackConfig, bootstrap: str, port: int) -> dict[str, st
     env.update(
         CONVEYOR_KAFKA_BOOTSTRAP=bootstrap,
         CONVEYOR_STORAGE_URI=storage.uri,
+        CONVEYOR_STORAGE_OUTPUT_ROOTS=json.dumps(list(storage.output_roots)),
+        CONVEYOR_STORAGE_DATASET_ROOTS=json.dumps(list(storage.dataset_roots)),
         CONVEYOR_TELEMETRY_HTTP_HOST=config.host,
         CONVEYOR_TELEMETRY_HTTP_PORT=str(port),
         PYTHONUNBUFFERED="1",  # log lines reach the log file as they happen
@@ -172,6 +176,8 @@ def _start_fresh(
         broker=broker,
         storage_uri=config.storage.uri,
         storage_endpoint=config.storage.s3_endpoint if s3 else None,
+        output_roots=config.storage.output_roots,
+        dataset_roots=config.storage.dataset_roots,
     )
     # Recorded before anything else starts, so `conveyor down` can clean up whatever a failed or
     # interrupted start leaves behind.

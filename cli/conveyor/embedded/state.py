@@ -68,6 +68,10 @@ class StackState:
     """Root of the object store (``file://<abs dir>`` or ``s3://bucket[/prefix]``)."""
     storage_endpoint: str | None = None
     """host:port of the S3 endpoint for ``s3://`` stores."""
+    output_roots: tuple[str, ...] = ()
+    """Where jobs may write besides the object store (``conveyor up --allow-output``)."""
+    dataset_roots: tuple[str, ...] = ()
+    """Where jobs may read datasets besides the object store (``conveyor up --allow-data``)."""
     services: tuple[ServiceInfo, ...] = field(default=())
 
     @property
@@ -112,6 +116,8 @@ class StackState:
                 broker=ProcessInfo(**broker) if broker else None,
                 storage_uri=data["storage_uri"],
                 storage_endpoint=data.get("storage_endpoint"),
+                output_roots=tuple(data.get("output_roots", ())),
+                dataset_roots=tuple(data.get("dataset_roots", ())),
                 services=services,
             )
         except (KeyError, TypeError, ValueError) as exc:

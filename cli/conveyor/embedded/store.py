@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from conveyor.embedded.health import Probe, tcp_probe
@@ -33,12 +34,24 @@ def bucket_of(uri: str) -> str:
     return bucket
 
 
-def resolve_storage(state_dir: Path, overrides: dict[str, str | bool | None]) -> StorageSettings:
+def absolute_root(root: str) -> str:
+    """A local root (``file://<dir>`` or ``<dir>``) as ``file://<absolute dir>``; ``s3://`` as
+    given. Links are left for the services to resolve when they check a location."""
+    if root.startswith("s3://"):
+        return root
+    return f"file://{os.path.abspath(root.removeprefix('file://'))}"
+
+
+def resolve_storage(
+    state_dir: Path, overrides: dict[str, str | bool | tuple[str, ...] | None]
+) -> StorageSettings:
     """Storage settings of a stack: command-line ``overrides`` (None = not given) over
     ``CONVEYOR_STORAGE_*`` / the config file.
 
     Without an explicit URI the store is ``s3://conveyor`` when an S3 endpoint is known, else the
-    directory ``<state_dir>/objects``. ``file://`` URIs are made absolute. Raises
+    directory ``<state_dir>/objects``. Without dataset roots, jobs may read datasets from the
+    working directory (and the object store, always). ``file://`` URIs and local roots are made
+    absolute: the services check them whatever directory they run in. Raises
     ``pydantic.ValidationError`` on invalid values.
     """
     given = {key: value for key, value in overrides.items() if value is not None}
@@ -51,7 +64,17 @@ def resolve_storage(state_dir: Path, overrides: dict[str, str | bool | None]) ->
         uri = f"file://{(state_dir / 'objects').resolve()}"
     if uri.startswith("file://"):
         uri = absolute_file_uri(uri)
-    return StorageSettings(**{**given, "uri": uri})  # type: ignore[arg-type]
+    dataset_roots = settings.dataset_roots
+    if "dataset_roots" not in settings.model_fields_set:
+        dataset_roots = (os.getcwd(),)
+    return StorageSettings(
+        **{  # type: ignore[arg-type]
+            **given,
+            "uri": uri,
+            "output_roots": tuple(absolute_root(root) for root in settings.output_roots),
+            "dataset_roots": tuple(absolute_root(root) for root in dataset_roots),
+        }
+    )
 
 
 def prepare_store(settings: StorageSettings) -> None:

@@ -22,6 +22,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from conveyor.platform.roots import Roots, resolve_location
+
 MiB = 1024 * 1024
 
 CONFIG_FILE_ENV = "CONVEYOR_CONFIG"
@@ -183,7 +185,13 @@ class KafkaSettings(_FileAwareSettings):
 
 
 class StorageSettings(_FileAwareSettings):
-    """Where objects (checkpoints, datasets, exports) live."""
+    """Where objects (checkpoints, datasets, exports) live, and where jobs may put and find them.
+
+    A job spec may name where its checkpoints and exported model go (``checkpoint.uri``) and
+    where its dataset is read from (``dataset.uri``); both must lie inside roots listed here
+    (:mod:`conveyor.platform.roots` says what "inside" means). The object store (``uri``) is
+    always a root of both kinds.
+    """
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_STORAGE_", frozen=True, extra="forbid")
 
@@ -198,6 +206,22 @@ class StorageSettings(_FileAwareSettings):
     s3_secret_key: str | None = None
     s3_region: str | None = None
     s3_secure: bool = Field(default=False, description="Use HTTPS to reach the S3 endpoint.")
+    output_roots: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Where jobs may write (checkpoint.uri: their checkpoints and exported model) "
+            "besides the object store, which is always allowed: file://<dir>, <dir> or "
+            "s3://<bucket>[/prefix]. A JSON list in the environment."
+        ),
+    )
+    dataset_roots: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Where jobs may read datasets (dataset.uri) besides the object store, which is "
+            "always allowed: file://<dir>, <dir> or s3://<bucket>[/prefix]. A JSON list in the "
+            "environment."
+        ),
+    )
 
     @field_validator("uri")
     @classmethod
@@ -205,6 +229,26 @@ class StorageSettings(_FileAwareSettings):
         if not value.startswith(("file://", "s3://")):
             raise ValueError("storage uri must start with file:// or s3://")
         return value
+
+    @field_validator("output_roots", "dataset_roots")
+    @classmethod
+    def _usable_roots(cls, roots: tuple[str, ...]) -> tuple[str, ...]:
+        for root in roots:
+            resolve_location(root)  # ValueError naming what is wrong with it
+        return roots
+
+    def allowed_output_roots(self) -> Roots:
+        """Where a job may write: the object store and ``output_roots``, normalised now."""
+        return Roots.resolve(
+            "output", "CONVEYOR_STORAGE_OUTPUT_ROOTS", (self.uri, *self.output_roots)
+        )
+
+    def allowed_dataset_roots(self) -> Roots:
+        """Where a job may read its dataset: the object store and ``dataset_roots``,
+        normalised now."""
+        return Roots.resolve(
+            "dataset", "CONVEYOR_STORAGE_DATASET_ROOTS", (self.uri, *self.dataset_roots)
+        )
 
 
 class TelemetrySettings(_FileAwareSettings):

@@ -59,7 +59,8 @@ class ModelSpec(BaseModel):
 class DatasetSpec(_Spec):
     uri: str = Field(min_length=1, max_length=1024)
     """``builtin://sklearn-digits``, ``synthetic://...``, ``npz://<dir or s3 prefix>``,
-    ``mnist-idx://<dir>``."""
+    ``mnist-idx://<dir>``; a stored one must lie inside the operator's dataset roots
+    (:mod:`conveyor.training.locations`, checked at submission and before reading)."""
     eval_fraction: float = Field(default=0.2, ge=0.0, le=0.5)
     """Share of the samples held out for evaluation."""
 
@@ -269,7 +270,9 @@ class CheckpointSpec(_Spec):
     keep_last: int = Field(default=3, ge=1, le=1000)
     """Committed checkpoints kept; older ones are deleted after a new commit."""
     uri: str | None = Field(default=None, max_length=1024)
-    """file://<dir> or s3://<bucket>[/prefix]; None = the stack's object store."""
+    """file://<dir> or s3://<bucket>[/prefix] inside the operator's output roots
+    (:mod:`conveyor.training.locations`, checked at submission and before writing); None = the
+    stack's object store."""
 
     @field_validator("uri")
     @classmethod

@@ -9,11 +9,10 @@ Synchronous API (async callers use ``asyncio.to_thread``)::
 
 from __future__ import annotations
 
-import re
-
 from minio import Minio
 
 from conveyor.platform.config import StorageSettings
+from conveyor.platform.roots import BUCKET_RE
 from conveyor.platform.storage.base import (
     ChecksumMismatch,
     ObjectInfo,
@@ -40,8 +39,6 @@ __all__ = [
     "sha256_hex",
 ]
 
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3 bucket naming rules
-
 
 def open_store(uri: str, settings: StorageSettings | None = None) -> ObjectStore:
     """Open the store rooted at ``uri``; performs no I/O.
@@ -58,7 +55,7 @@ def open_store(uri: str, settings: StorageSettings | None = None) -> ObjectStore
         return FileObjectStore(directory)
     if uri.startswith("s3://"):
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        if not _BUCKET_RE.fullmatch(bucket):
+        if not BUCKET_RE.fullmatch(bucket):
             raise ValueError(
                 f"storage uri {uri!r}: {bucket!r} is not a valid bucket name (3-63 of a-z 0-9 . -)"
             )

@@ -34,6 +34,31 @@ def store_uri_for(location: str) -> str:
     return f"file://{os.path.abspath(location)}"
 
 
+def dataset_location(uri: str) -> str | None:
+    """Where the dataset at ``uri`` is read from, written the way its reader opens it:
+    ``file://<path>`` (absolute where the reader makes it absolute, with the reader's ``..``
+    handling) or ``s3://...``; None for data that reads no storage (``builtin://``,
+    ``synthetic://``). ValueError for a malformed URI or a scheme without a rule here: a new
+    reader must say where it reads before a job may use it (checks fail closed)."""
+    scheme, sep, location = uri.partition("://")
+    if not sep:
+        raise ValueError(f"dataset uri {uri!r} has no scheme (expected scheme://...)")
+    if scheme in ("builtin", "synthetic"):
+        return None
+    if scheme == "npz":
+        store_uri = store_uri_for(location)
+        if store_uri.startswith("file://"):
+            directory = store_uri.removeprefix("file://")
+            if not directory:
+                raise ValueError(f"dataset uri {uri!r} names no directory")
+            # FileObjectStore opens os.path.abspath(<dir>): '..' goes lexically, before links.
+            return f"file://{os.path.abspath(directory)}"
+        return store_uri
+    if scheme == "mnist-idx":
+        return f"file://{location.removeprefix('file://')}"  # opened as a Path, as written
+    raise ValueError(f"dataset scheme {scheme!r} has no location rule")
+
+
 def open_location(
     uri: str, location: str, storage: StorageSettings | None
 ) -> tuple[ObjectStore, str]:

@@ -26,6 +26,7 @@ from conveyor.services.aggregator.job_loop import JobAggregator
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.training.jobhost import JobFailure, JobHostService
 from conveyor.training.jobview import JobView
+from conveyor.training.locations import output_uri
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
             raise JobFailure("invalid job: it has no plan yet")
         ctx = await asyncio.to_thread(prepare_job, job.job_id, job.spec, job.plan)
         try:
-            store = open_store(ctx.spec.checkpoint.uri or self.storage.uri, self.storage)
+            store = open_store(output_uri(ctx.spec, self.storage), self.storage)  # in the roots
         except ValueError as exc:
             raise JobFailure(str(exc)) from exc
         return ctx, store

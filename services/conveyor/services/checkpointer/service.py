@@ -44,6 +44,7 @@ from conveyor.training.checkpoint import (
 from conveyor.training.jobhost import JobFailure, JobHostService
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobView
+from conveyor.training.locations import output_uri
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class CheckpointerService(JobHostService[Prepared]):
     async def prepare_job(self, job: JobView) -> Prepared:
         try:
             spec = JobSpec.from_dict(job.spec)
-            store = open_store(spec.checkpoint.uri or self.storage.uri, self.storage)
+            store = open_store(output_uri(spec, self.storage), self.storage)  # in the roots
         except ValueError as exc:
             raise JobFailure(f"invalid job: {exc}") from exc
         return spec, CheckpointStore(store, job.job_id)

@@ -10,18 +10,21 @@ from conveyor.training.checkpoint import CheckpointInfo, CheckpointStore
 from conveyor.training.exported import MODEL_FILES
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobView
+from conveyor.training.locations import output_uri
 
 
 class JobArtifacts:
-    """Reads a job's objects from its store (the spec's ``checkpoint.uri``, else the stack's)."""
+    """Reads a job's objects from its store (the spec's ``checkpoint.uri``, else the stack's;
+    the roots' check applies as it does where they were written)."""
 
     def __init__(self, storage: StorageSettings) -> None:
         self.storage = storage
 
     def store_of(self, job: JobView) -> ObjectStore:
-        """The job's object store. ValueError for a spec that names no usable store."""
+        """The job's object store (inside the operator's roots). ValueError for a spec that
+        names no usable or allowed store."""
         spec = JobSpec.from_dict(job.spec)
-        return open_store(spec.checkpoint.uri or self.storage.uri, self.storage)
+        return open_store(output_uri(spec, self.storage), self.storage)
 
     def checkpoints(self, job: JobView) -> list[CheckpointInfo]:
         """Every checkpoint of the job, newest first (committed and incomplete)."""

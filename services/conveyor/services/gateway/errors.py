@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from conveyor.platform.errors import ConveyorError
+from conveyor.training.locations import Refusal
 
 
 class GatewayError(ConveyorError):
@@ -52,6 +53,14 @@ class JobNotRunning(GatewayError):
         )
         self.job_id = job_id
         self.state = state
+
+
+class LocationsRefused(GatewayError):
+    """The spec names a place outside the operator's roots (422, one error per field)."""
+
+    def __init__(self, refusals: list[Refusal]) -> None:
+        super().__init__("; ".join(str(refusal) for refusal in refusals))
+        self.refusals = refusals
 
 
 class GatewayUnavailable(GatewayError):

@@ -12,8 +12,8 @@ from conveyor.services.gateway.service import GatewayService
 
 def main(argv: list[str]) -> int:
     """Run the gateway until SIGTERM/SIGINT; settings come from the environment
-    (``CONVEYOR_GATEWAY_*``, ``CONVEYOR_KAFKA_*``, ``CONVEYOR_STORAGE_*``,
-    ``CONVEYOR_TELEMETRY_*``, ``CONVEYOR_CONFIG``).
+    (``CONVEYOR_GATEWAY_*``, ``CONVEYOR_KAFKA_*``, ``CONVEYOR_STORAGE_*`` (the roots jobs may
+    use), ``CONVEYOR_TELEMETRY_*``, ``CONVEYOR_CONFIG``).
     Takes no arguments; returns the process exit code."""
     if argv:
         print(f"conveyor service gateway takes no arguments, got {argv}", file=sys.stderr)

@@ -34,12 +34,14 @@ from conveyor.services.gateway.errors import (
     JobFinished,
     JobNotFound,
     JobNotRunning,
+    LocationsRefused,
 )
 from conveyor.services.gateway.events import EventHub, JobsTail
 from conveyor.services.gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from conveyor.services.gateway.routes import install_routes
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobState, JobsView, JobView
+from conveyor.training.locations import refused_locations
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,9 @@ class GatewayService(Service):
     """Serves ``/v1/jobs...`` next to the base's ``/healthz``, ``/readyz`` and ``/metrics``.
 
     The HTTP address is ``settings.http_address(telemetry)``. Not ready until the jobs topic
-    exists and the view has replayed it up to the end offsets seen at start.
+    exists and the view has replayed it up to the end offsets seen at start. ``storage`` gives
+    the roots a job's checkpoint and dataset locations must lie inside (the gateway opens no
+    store).
     """
 
     name = "gateway"
@@ -134,9 +138,15 @@ class GatewayService(Service):
     async def submit(self, spec: JobSpec, idempotency_key: str | None) -> tuple[JobView, bool]:
         """Accept a job; returns (job, created). created is False for a repeated key.
 
-        Raises :class:`IdempotencyConflict` when the key was used with another spec and
-        :class:`GatewayUnavailable` when not ready or the broker did not answer in time.
+        Raises :class:`LocationsRefused` when the spec names a checkpoint or dataset location
+        outside the operator's roots, :class:`IdempotencyConflict` when the key was used with
+        another spec and :class:`GatewayUnavailable` when not ready or the broker did not
+        answer in time.
         """
+        # In a thread: resolving symbolic links reads the file system, which may be slow.
+        refusals = await asyncio.to_thread(refused_locations, spec, self.storage)
+        if refusals:
+            raise LocationsRefused(refusals)
         self._require_ready()
         spec_dict = spec.to_dict()
         if idempotency_key is None:

@@ -6,14 +6,16 @@ import asyncio
 from collections import OrderedDict
 
 from conveyor.platform.config import StorageSettings
-from conveyor.training.datasets import Dataset, DatasetUnavailable, open_dataset
+from conveyor.training.datasets import Dataset, DatasetError, DatasetUnavailable, open_dataset
+from conveyor.training.locations import LocationRefused, check_dataset_uri
 
 
 class DatasetCache:
     """Open datasets by URI, least recently used dropped past ``size``.
 
     :meth:`get` opens in a worker thread, one open at a time (opens are rare: once per URI
-    while it stays cached). Raises what ``open_dataset`` raises, and
+    while it stays cached). Raises what ``open_dataset`` raises, :class:`DatasetError` for a
+    dataset outside the roots ``storage`` allows (a shard task the sharder did not vet) and
     :class:`DatasetUnavailable` when an open takes longer than ``open_timeout_s``.
     """
 
@@ -36,7 +38,7 @@ class DatasetCache:
             if dataset is None:
                 try:
                     dataset = await asyncio.wait_for(
-                        asyncio.to_thread(open_dataset, uri, storage=self._storage),
+                        asyncio.to_thread(self._open, uri),
                         self._open_timeout_s,
                     )
                 except TimeoutError:
@@ -48,3 +50,10 @@ class DatasetCache:
                     self._datasets.popitem(last=False)
             self._datasets.move_to_end(uri)
             return dataset
+
+    def _open(self, uri: str) -> Dataset:
+        try:
+            check_dataset_uri(uri, self._storage)
+        except LocationRefused as exc:
+            raise DatasetError(str(exc)) from exc
+        return open_dataset(uri, storage=self._storage)

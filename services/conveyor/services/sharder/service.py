@@ -11,9 +11,11 @@ every event into the
 - terminal job (completed/failed/cancelled in the log): delete its topics, forget it, ack its
   ``submitted`` record (only now may the committed offset pass it);
 - cancel requested: publish ``cancelled`` (once), release nothing more;
-- not planned yet: parse the spec, open the dataset in a thread (``dataset_open_timeout_s``),
-  make the :class:`~.plan.JobPlan`, create the job topics, publish ``planned`` (unless the log
-  already has one); a bad spec or unreadable dataset publishes ``failed`` with the reason;
+- not planned yet: parse the spec, check that its dataset and checkpoint locations lie inside
+  the operator's roots (:mod:`conveyor.training.locations`), open the dataset in a thread
+  (``dataset_open_timeout_s``), make the :class:`~.plan.JobPlan`, create the job topics, publish
+  ``planned`` (unless the log already has one); a bad spec, a location outside the roots or an
+  unreadable dataset publishes ``failed`` with the reason;
 - planned: release the tasks :class:`~.flow.FlowControl` allows, await their acks; each task
   carries the routing of the coordinator's latest progress (:mod:`conveyor.training.routing`).
 
@@ -63,6 +65,7 @@ from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.services.sharder.jobs import JobRecord, JobTable
 from conveyor.training.datasets import Dataset, DatasetError, open_dataset
+from conveyor.training.locations import refused_locations
 from conveyor.training.plan import JobPlan
 from conveyor.training.slicing import build_job_model
 
@@ -234,6 +237,11 @@ class SharderService(Service):
         """The plan and the opened dataset; None to retry later; _PlanFailed otherwise."""
         if job.spec is None:
             raise _PlanFailed(job.spec_error or "invalid job spec")
+        # The gateway refused such specs already; this catches one put on the jobs topic
+        # directly, before anything reads its dataset or trains towards its checkpoint place.
+        refusals = await asyncio.to_thread(refused_locations, job.spec, self.storage)
+        if refusals:
+            raise _PlanFailed("; ".join(str(refusal) for refusal in refusals))
         uri = job.spec.dataset.uri
         timeout_s = self.settings.dataset_open_timeout_s
         try:

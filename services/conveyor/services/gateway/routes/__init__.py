@@ -13,6 +13,7 @@ from conveyor.services.gateway.errors import (
     JobFinished,
     JobNotFound,
     JobNotRunning,
+    LocationsRefused,
 )
 from conveyor.services.gateway.routes import artifacts, jobs
 from conveyor.services.gateway.routes.deps import JobsBackend, require_token
@@ -36,9 +37,25 @@ async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=code, headers=headers)
 
 
+async def _locations_refused(request: Request, exc: Exception) -> JSONResponse:
+    # The shape of FastAPI's own 422 (one error per field, "loc" from "body"), so a client reads
+    # every refused spec the same way.
+    assert isinstance(exc, LocationsRefused)
+    detail = [
+        {
+            "type": "location_not_allowed",
+            "loc": ["body", *refusal.field.split(".")],
+            "msg": refusal.reason,
+        }
+        for refusal in exc.refusals
+    ]
+    return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
 def install_routes(app: FastAPI, backend: JobsBackend) -> None:
     """Mount every ``/v1`` router on ``app`` (bearer auth on all of them), serving ``backend``."""
     app.state.jobs_backend = backend
     app.include_router(jobs.router, dependencies=[Depends(require_token)])
     app.include_router(artifacts.router, dependencies=[Depends(require_token)])
     app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(LocationsRefused, _locations_refused)  # the more specific wins

@@ -51,7 +51,10 @@ async def submit_job(
         str | None, Header(min_length=1, max_length=IDEMPOTENCY_KEY_MAX_CHARS)
     ] = None,
 ) -> Job:
-    """Accept a job (state ``pending``). The same Idempotency-Key returns the same job."""
+    """Accept a job (state ``pending``). The same Idempotency-Key returns the same job.
+
+    422 for an invalid spec, and for a ``checkpoint.uri`` or ``dataset.uri`` outside the roots
+    the operator allows (the error's ``msg`` names them); one error per field."""
     job, created = await backend.submit(spec, idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK
