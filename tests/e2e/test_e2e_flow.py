@@ -237,7 +237,8 @@ def test_aggregator_killed_mid_job_hands_its_slice_over_and_the_job_completes(
 ) -> None:
     # Two slices over two aggregator processes: each owns one partition of the job's grads
     # topic. Killing one moves its slice (a consumer-group rebalance) to the survivor, which
-    # rebuilds it from the slice's last published parameters and closes the remaining steps.
+    # rebuilds it exactly (the latest checkpoint, then the log after it: optimizer state
+    # included) and closes the remaining steps.
     spec = digits_spec("aggregator-failover", distribution={"aggregator_shards": 2})
     job_id = stack.submit(spec)
     victim, survivor = stack.service("aggregator-1"), stack.service("aggregator-2")
@@ -258,9 +259,9 @@ def test_aggregator_killed_mid_job_hands_its_slice_over_and_the_job_completes(
     assert job["state"] == "completed", job.get("reason")
     assert job["summary"]["steps"] > at_kill["progress"]["step"]
     assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
-    # Optimizer state restarts with the moved slice (until checkpoints carry it): the model
-    # still learns.
     assert job["summary"]["eval_accuracy"] > 0.7
     log = Path(survivor.process.log_path).read_text()
+    moved = re.findall(rf"job {job_id}: slice \d+ restored at .*\(optimizer state (\w+)\)", log)
+    assert moved and set(moved) == {"exact"}, f"the moved slice was not rebuilt exactly: {moved}"
     served = {int(i) for i in re.findall(rf"job {job_id}: serving slice (\d+) from version", log)}
     assert served == {0, 1}, f"the survivor served slices {served}"

@@ -137,6 +137,12 @@ def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack, tmp_pa
     assert pulled.returncode == 0, pulled.stderr
     model = load_model(tmp_path / "model")
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    # The README's two lines, as written there, load the same weights.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = next(b.split("```")[0] for b in readme.split("```python\n")[1:] if "load_model" in b)
+    scope: dict[str, Any] = {}
+    exec(snippet.replace('"my-model"', repr(str(tmp_path / "model"))), scope)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in scope["model"].parameters()]), flat)
     assert torch.equal(flat, torch.cat([states[p].values for p in sorted(states)]))
 
 

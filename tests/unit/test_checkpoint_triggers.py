@@ -125,6 +125,8 @@ def test_the_book_commits_a_version_once_every_slice_is_saved() -> None:
     assert (cursor.epoch, cursor.applied_batches, steps) == (1, [], 3)
     book.done.add(2)
     assert book.ready() == [] and book.last_unfinished() == 6
+    book.floor = 3  # a restarted checkpointer found v3 committed: v3 and older are settled
+    assert book.failed() == [] and book.last_unfinished() == 6
 
 
 @pytest.mark.parametrize("every_s", [None, 30.0])

@@ -458,7 +458,11 @@ class JobAggregator:
             if close is None or owner.missing(close):
                 return
             started = time.monotonic()
-            offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
+            # Before this step's records are acknowledged: a lower bound of what later
+            # versions may need from the grads partition (a checkpoint records it).
+            offset = 0
+            if close.checkpoint is not None:
+                offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
             slices, records = owner.take(close)
             links = _links(records)
             with self._tracer.start_as_current_span(

@@ -49,7 +49,10 @@ class CheckpointBook:
         """Checkpointed version -> (data cursor, steps) at that version."""
         self.saved: dict[int, dict[int, SliceSaved]] = {}
         self.done: set[int] = set()
-        """Versions committed or reported failed (by this process or found committed)."""
+        """Versions committed or reported failed by this process."""
+        self.floor = 0
+        """Versions up to this one are settled already (committed before this process
+        started, or older than such a commit: retention may have removed their files)."""
         self._cursor = _Cursor()
         self._version = 0
         self._last_trigger_at = started_at
@@ -92,14 +95,19 @@ class CheckpointBook:
         return [
             v
             for v in sorted(self.requested)
-            if v not in self.done
+            if v > self.floor
+            and v not in self.done
             and len(self.saved.get(v, {})) >= self.num_slices
             and not self.errors(v)
         ]
 
     def failed(self) -> list[int]:
         """Checkpointed versions a slice failed to save, not done yet."""
-        return [v for v in sorted(self.requested) if v not in self.done and self.errors(v)]
+        return [
+            v
+            for v in sorted(self.requested)
+            if v > self.floor and v not in self.done and self.errors(v)
+        ]
 
     def errors(self, version: int) -> list[str]:
         return [
@@ -140,5 +148,5 @@ class CheckpointBook:
 
     def last_unfinished(self) -> int | None:
         """The newest checkpointed version not done (at the job's end: the final one)."""
-        pending = [v for v in self.requested if v not in self.done]
+        pending = [v for v in self.requested if v > self.floor and v not in self.done]
         return max(pending, default=None)

@@ -105,7 +105,8 @@ class CheckpointerService(JobHostService[Prepared]):
             train_batches_per_epoch=job.plan.train_batches_per_epoch,
             started_at=time.time(),
         )
-        book.done.update(await asyncio.to_thread(checkpoints.committed_versions))
+        # A restart (or a second replica) does not commit again what is committed already.
+        book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
         try:
             async with TopicTail(self.kafka, self.topics.control(job.job_id)) as control:
                 while True:
