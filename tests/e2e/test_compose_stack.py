@@ -23,6 +23,7 @@ a replica Prometheus cannot scrape on the port its configuration names, no trace
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -136,6 +137,13 @@ class ComposeRun:
     def of(self, service: str) -> list[Container]:
         return [c for c in self.containers if c.service == service]
 
+    def kill(self) -> None:
+        """SIGKILL whatever still runs (a failed test's leftovers)."""
+        for container in self.containers:
+            if container.process.poll() is None:
+                os.killpg(container.process.pid, signal.SIGKILL)
+                container.process.wait()
+
 
 def image_entrypoint() -> list[str]:
     """The ENTRYPOINT of infra/Dockerfile (exec form)."""
@@ -196,80 +204,84 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
     kafka_address = network.attach("kafka")
     minio_address = network.attach("minio")
     jaeger_address = network.attach("jaeger")
-    broker = EmbeddedBroker(
-        host=kafka_address, port=int(internal_port), log_path=tmp_path / "kafka.log"
-    )
     from moto.server import ThreadedMotoServer
 
-    s3 = ThreadedMotoServer(ip_address=minio_address, port=MINIO_API_PORT, verbose=False)
-    receiver = OtlpReceiver(host=jaeger_address, port=JAEGER_OTLP_HTTP_PORT)
-    run = ComposeRun(state_dir=tmp_path, compose=compose, network=network, jaeger=receiver)
     ready = {"kafka": "service_healthy", "minio-init": "service_completed_successfully",
              "jaeger": "service_started"}  # fmt: skip
-    broker.start()
-    s3.start()
-    receiver.__enter__()
-    ACTIVE.append(run)  # type: ignore[arg-type]  # duck-typed: state_dir and log_tails()
-    try:
-        minio = environment(services["minio"])
-        from minio import Minio
+    with contextlib.ExitStack() as cleanup:
+        kafka_log = tmp_path / "kafka.log"
+        cleanup.enter_context(
+            EmbeddedBroker(host=kafka_address, port=int(internal_port), log_path=kafka_log)
+        )
+        s3 = ThreadedMotoServer(ip_address=minio_address, port=MINIO_API_PORT, verbose=False)
+        s3.start()
+        cleanup.callback(s3.stop)
+        receiver = cleanup.enter_context(
+            OtlpReceiver(host=jaeger_address, port=JAEGER_OTLP_HTTP_PORT)
+        )
+        run = ComposeRun(state_dir=tmp_path, compose=compose, network=network, jaeger=receiver)
+        ACTIVE.append(run)  # type: ignore[arg-type]  # duck-typed: state_dir and log_tails()
+        cleanup.callback(ACTIVE.remove, run)  # type: ignore[arg-type]
+        cleanup.callback(run.kill)
+        yield from _start_services(run, ready)
 
-        Minio(
-            f"{minio_address}:{MINIO_API_PORT}",
-            access_key=minio["MINIO_ROOT_USER"],
-            secret_key=minio["MINIO_ROOT_PASSWORD"],
-            secure=False,
-        ).make_bucket(environment(services["minio-init"])["CONVEYOR_BUCKET"])
 
-        # -- the Conveyor services, in depends_on order -----------------------------------
-        conveyor = {
-            name: service
-            for name, service in conveyor_services(compose).items()
-            if name in default_services(compose)
-        }
-        order = [name for name in start_order(services) if name in conveyor]
-        entrypoint = image_entrypoint()
-        for name in order:
-            service = conveyor[name]
-            for dependency, spec in service["depends_on"].items():
-                if dependency in conveyor:
-                    assert spec["condition"] == "service_healthy"
-                    for container in run.of(dependency):
-                        wait_healthy(container, conveyor[dependency]["healthcheck"], network)
-                else:
-                    assert ready.get(dependency) == spec["condition"], (
-                        f"{name} waits for {dependency}: {spec['condition']}, not emulated"
-                    )
-            networks = service["networks"]
-            aliases = networks["conveyor"].get("aliases", []) if isinstance(networks, dict) else []
-            replicas = SCALE.get(name, 1)
-            for index in range(1, replicas + 1):
-                address = network.attach(name, *aliases)
-                instance = f"{name}-{index}"
-                workdir = tmp_path / instance
-                workdir.mkdir()
-                env = container_base_env(workdir)
-                compose_env = environment(service)
-                env.update({k: network.rewrite(v, address) for k, v in compose_env.items()})
-                argv = [network.rewrite(arg, address) for arg in [*entrypoint, *service["command"]]]
-                with open(workdir / "container.log", "ab") as log:
-                    process = subprocess.Popen(
-                        argv, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
-                    )  # fmt: skip
-                run.containers.append(Container(instance, name, address, env, workdir, process))
-        for container in run.containers:  # `docker compose up --wait`
-            wait_healthy(container, conveyor[container.service]["healthcheck"], network)
-        yield run
-    finally:
-        ACTIVE.remove(run)  # type: ignore[arg-type]
-        for container in run.containers:
-            if container.process.poll() is None:
-                container.process.kill()
-                container.process.wait()
-        receiver.__exit__(None, None, None)
-        s3.stop()
-        broker.stop()
+def _start_services(run: ComposeRun, ready: dict[str, str]) -> Iterator[ComposeRun]:
+    """Create the bucket as minio-init would, start the Conveyor services in depends_on order
+    (scaled by :data:`SCALE`) and wait until every one is healthy; yield the run."""
+    compose, network, tmp_path = run.compose, run.network, run.state_dir
+    services = compose["services"]
+    minio_address = network.addresses["minio"][0]
+    minio = environment(services["minio"])
+    from minio import Minio
+
+    Minio(
+        f"{minio_address}:{MINIO_API_PORT}",
+        access_key=minio["MINIO_ROOT_USER"],
+        secret_key=minio["MINIO_ROOT_PASSWORD"],
+        secure=False,
+    ).make_bucket(environment(services["minio-init"])["CONVEYOR_BUCKET"])
+
+    # The Conveyor services, in depends_on order.
+    conveyor = {
+        name: service
+        for name, service in conveyor_services(compose).items()
+        if name in default_services(compose)
+    }
+    order = [name for name in start_order(services) if name in conveyor]
+    entrypoint = image_entrypoint()
+    for name in order:
+        service = conveyor[name]
+        for dependency, spec in service["depends_on"].items():
+            if dependency in conveyor:
+                assert spec["condition"] == "service_healthy"
+                for container in run.of(dependency):
+                    wait_healthy(container, conveyor[dependency]["healthcheck"], network)
+            else:
+                assert ready.get(dependency) == spec["condition"], (
+                    f"{name} waits for {dependency}: {spec['condition']}, not emulated"
+                )
+        networks = service["networks"]
+        aliases = networks["conveyor"].get("aliases", []) if isinstance(networks, dict) else []
+        replicas = SCALE.get(name, 1)
+        for index in range(1, replicas + 1):
+            address = network.attach(name, *aliases)
+            instance = f"{name}-{index}"
+            workdir = tmp_path / instance
+            workdir.mkdir()
+            env = container_base_env(workdir)
+            compose_env = environment(service)
+            env.update({k: network.rewrite(v, address) for k, v in compose_env.items()})
+            argv = [network.rewrite(arg, address) for arg in [*entrypoint, *service["command"]]]
+            with open(workdir / "container.log", "ab") as log:
+                process = subprocess.Popen(
+                    argv, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            run.containers.append(Container(instance, name, address, env, workdir, process))
+    for container in run.containers:  # `docker compose up --wait`
+        wait_healthy(container, conveyor[container.service]["healthcheck"], network)
+    yield run
 
 
 def test_compose_services_train_a_job_through_the_published_gateway_port(

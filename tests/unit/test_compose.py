@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -462,6 +464,16 @@ def test_prometheus_discovers_every_replica_of_every_conveyor_service(
     assert {"source_labels": ["__meta_dns_name"], "target_label": "service"} in job[
         "relabel_configs"
     ]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
+def test_promtool_accepts_the_scrape_configuration(services: dict[str, Any]) -> None:
+    path = _host_path(services["prometheus"], "/etc/prometheus/prometheus.yml")
+    done = subprocess.run(
+        ["promtool", "check", "config", "--syntax-only", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
