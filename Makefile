@@ -5,15 +5,16 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 SPEC   ?= examples/digits.yaml
 
-.PHONY: run test lint typecheck imports unit bench clean
+.PHONY: run test lint typecheck imports unit bench lock clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# requirements-dev.lock pins every package `.[dev]` pulls in (torch is pinned in pyproject.toml).
+$(STAMP): pyproject.toml requirements-dev.lock | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c requirements-dev.lock -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -34,6 +35,21 @@ test: lint typecheck imports
 bench: $(STAMP)
 	$(BIN)/python -m loadtests.bench_codec
 	$(BIN)/python -m loadtests.bench_bus
+
+# Regenerate the lock files after a dependency change in pyproject.toml (needs PyPI):
+# requirements.lock is what the service image installs (base dependencies, no extras),
+# requirements-dev.lock what `make test` installs. torch is left out of both: pyproject.toml pins
+# it exactly, and its build (CPU or CUDA, and so its dependencies) depends on the machine.
+LOCK_FLAGS := --quiet --strip-extras --no-emit-index-url --no-emit-find-links \
+	--unsafe-package torch --unsafe-package conveyor
+lock:
+	tmp=$$(mktemp -d) && $(PYTHON) -m venv $$tmp \
+	&& $$tmp/bin/python -m pip install --quiet pip-tools \
+	&& CUSTOM_COMPILE_COMMAND="make lock" $$tmp/bin/pip-compile $(LOCK_FLAGS) \
+		--output-file requirements.lock pyproject.toml \
+	&& CUSTOM_COMPILE_COMMAND="make lock" $$tmp/bin/pip-compile $(LOCK_FLAGS) --extra dev \
+		--output-file requirements-dev.lock pyproject.toml \
+	; status=$$?; rm -rf $$tmp; exit $$status
 
 clean:
 	rm -rf $(VENV) .conveyor .pytest_cache .mypy_cache .ruff_cache

@@ -57,19 +57,21 @@ def _value(value: AnyValue) -> Any:
 
 
 class OtlpReceiver:
-    """Listens on 127.0.0.1 (a free port); ``endpoint`` is the base URL for the exporter."""
+    """Listens on ``host:port`` (default 127.0.0.1, a free port); ``endpoint`` is the base URL
+    for the exporter."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._lock = threading.Lock()
         self._spans: list[ReceivedSpan] = []
         self.requests = 0
         """Number of export requests received."""
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
 
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()

@@ -51,6 +51,26 @@ def test_sklearn_digits_shape_count_and_scaling() -> None:
     np.testing.assert_array_equal(y, raw.target)
 
 
+def test_sklearn_digits_without_scikit_learn_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from conveyor.training.datasets import builtin
+
+    find_spec = importlib.util.find_spec
+
+    def without_sklearn(name: str, *args: str | None) -> object:
+        return None if name == "sklearn" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_sklearn)
+    # The loader without its per-process cache (it may have loaded the digits already).
+    uncached = builtin._sklearn_digits.__wrapped__
+    monkeypatch.setattr(builtin, "_BUILTINS", {"sklearn-digits": uncached})
+    with pytest.raises(DatasetError, match=r"pip install 'conveyor\[digits\]'.*dataset pack"):
+        open_dataset("builtin://sklearn-digits")
+
+
 def test_read_keeps_order_and_handles_empty_and_bad_ids() -> None:
     ds = open_dataset("builtin://sklearn-digits")
     x, y = ds.read([10, 3, 10])

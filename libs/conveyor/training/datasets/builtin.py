@@ -25,7 +25,13 @@ def _digits_table() -> NDArray[np.float64]:
     milliseconds. Falls back to ``load_digits`` if the layout ever changes.
     """
     spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
-    if spec is not None and spec.origin is not None:
+    if spec is None:
+        raise DatasetError(
+            "builtin://sklearn-digits needs scikit-learn, which is not installed (pip install "
+            "'conveyor[digits]'); the service image leaves it out: pack the digits into the "
+            "object store with `conveyor dataset pack` and train npz://s3://..."
+        )
+    if spec.origin is not None:
         path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             table: NDArray[np.float64] = np.loadtxt(path, delimiter=",", ndmin=2)
