@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
+import os
 import shutil
 import subprocess
 import tomllib
@@ -466,8 +467,12 @@ def test_prometheus_discovers_every_replica_of_every_conveyor_service(
     ]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
 def test_promtool_accepts_the_scrape_configuration(services: dict[str, Any]) -> None:
+    if shutil.which("promtool") is None:
+        # .ci/run installs Debian's prometheus and sets CONVEYOR_REQUIRE_SERVERS: never skipped there.
+        if os.environ.get("CONVEYOR_REQUIRE_SERVERS"):
+            pytest.fail("promtool (Debian's prometheus) is required here but not installed")
+        pytest.skip("promtool (Prometheus) not installed: apt-get install prometheus")
     path = _host_path(services["prometheus"], "/etc/prometheus/prometheus.yml")
     done = subprocess.run(
         ["promtool", "check", "config", "--syntax-only", str(path)],
