@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -469,7 +469,7 @@ def test_prometheus_discovers_every_replica_of_every_conveyor_service(
 
 def test_promtool_accepts_the_scrape_configuration(services: dict[str, Any]) -> None:
     if shutil.which("promtool") is None:
-        # .ci/run installs Debian's prometheus and sets CONVEYOR_REQUIRE_SERVERS: never skipped there.
+        # .ci/run installs Debian's prometheus and sets CONVEYOR_REQUIRE_SERVERS: no skip there.
         if os.environ.get("CONVEYOR_REQUIRE_SERVERS"):
             pytest.fail("promtool (Debian's prometheus) is required here but not installed")
         pytest.skip("promtool (Prometheus) not installed: apt-get install prometheus")
