@@ -40,6 +40,15 @@ def run_spec(spec_path: Path, state_dir: Path) -> dict[str, Any]:
     )  # fmt: skip
     assert done.returncode == 0, f"conveyor run failed ({done.returncode}):\n{done.stderr[-4000:]}"
     summary: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    # Not a terminal: progress comes as log lines from the event stream, not a redrawn bar.
+    logged = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith(f"job {summary['job_id']}: step")
+    ]
+    assert logged and "state=completed" in logged[-1] and "\r" not in done.stderr, done.stderr[
+        -2000:
+    ]
     return summary
 
 

@@ -387,3 +387,35 @@ def test_state_keeps_the_roots(tmp_path: Path) -> None:
     (tmp_path / "stack.json").write_text(json.dumps(data))
     loaded = load_state(tmp_path)
     assert loaded is not None and (loaded.dataset_roots, loaded.output_roots) == ((), ())
+
+
+def test_the_event_stream_is_parsed_into_job_updates() -> None:
+    from conveyor.cli.client import _apply_event, _sse_frames
+
+    snapshot = {"id": "j", "state": "pending", "progress": {"step": 0}, "epochs": []}
+    planned = {"state": "planned", "progress": {"step": 0}, "data": {}}
+    epoch = {
+        "state": "running",
+        "progress": {"step": 7},
+        "data": {"epoch": 0, "eval_accuracy": 0.9},
+    }
+    lines = [
+        "event: snapshot", "id: 1", f"data: {json.dumps(snapshot)}", "",
+        ": keepalive", "",
+        "event: planned", "id: 2", f"data: {json.dumps(planned)}", "",
+        "event: epoch_completed", "id: 3", f"data: {json.dumps(epoch)}", "",
+    ]  # fmt: skip
+    frames = list(_sse_frames(iter(lines)))
+    assert [event for event, _ in frames] == ["snapshot", "planned", "epoch_completed"]
+    job = frames[0][1]
+    for event, data in frames[1:]:
+        job = _apply_event(job, event, data)
+    assert job["state"] == "running" and job["progress"] == {"step": 7}
+    assert job["epochs"] == [{"epoch": 0, "eval_accuracy": 0.9}]
+
+
+def test_version_flag() -> None:
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"conveyor {version('conveyor')}"

@@ -6,6 +6,7 @@ Every call raises :class:`GatewayError` with the gateway's own message on an err
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -103,14 +104,35 @@ class GatewayClient:
     def stages(self, job_id: str) -> dict[str, Any]:
         return self._json(self._request("GET", f"/v1/jobs/{job_id}/stages"))
 
-    def follow(self, job_id: str, *, interval_s: float = 0.5) -> Iterator[dict[str, Any]]:
-        """Yield the job every ``interval_s`` until it reaches a terminal state (yielded last)."""
+    def follow(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """Yield the job as it changes, from the gateway's event stream (no polling), until it
+        is terminal (the complete job, summary included, is yielded last). A dropped stream is
+        opened again (the gateway starts each with a snapshot), after a short pause."""
         while True:
-            job = self.job(job_id)
-            yield job
-            if job["state"] in TERMINAL_STATES:
+            job: dict[str, Any] | None = None
+            try:
+                with self._http.stream(
+                    "GET", f"/v1/jobs/{job_id}/events", timeout=httpx.Timeout(10.0, read=None)
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        self._json(response)  # raises with the gateway's reason
+                    for event, data in _sse_frames(response.iter_lines()):
+                        if event == "snapshot":
+                            job = data
+                        elif job is not None:
+                            job = _apply_event(job, event, data)
+                        if job is None:
+                            continue
+                        if job["state"] in TERMINAL_STATES:
+                            yield self.job(job_id)  # with its summary
+                            return
+                        yield job
+            except httpx.TransportError:
+                pass  # the gateway restarted or the connection dropped: open it again
+            if job is not None and job["state"] in TERMINAL_STATES:
                 return
-            time.sleep(interval_s)
+            time.sleep(0.5)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -137,3 +159,30 @@ class GatewayClient:
             )
         body: dict[str, Any] = response.json()
         return body
+
+
+def _sse_frames(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, JSON data) of each server-sent event; comment lines (keepalives) are skipped."""
+    event, data = "message", ""
+    for line in lines:
+        if line.startswith("event:"):
+            event = line.removeprefix("event:").strip()
+        elif line.startswith("data:"):
+            data += line.removeprefix("data:").strip()
+        elif not line and data:
+            yield event, json.loads(data)
+            event, data = "message", ""
+
+
+def _apply_event(job: dict[str, Any], event: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The job after one stream event (its state and progress; an epoch's results)."""
+    job = {
+        **job,
+        "state": data.get("state", job["state"]),
+        "progress": data.get("progress", job["progress"]),
+    }
+    if event == "epoch_completed":
+        details = data.get("data") or {}
+        epochs = [e for e in job.get("epochs") or [] if e.get("epoch") != details.get("epoch")]
+        job["epochs"] = sorted([*epochs, details], key=lambda e: e.get("epoch", 0))
+    return job

@@ -155,9 +155,15 @@ def summary_of(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def follow_with_progress(client: GatewayClient, job_id: str, *, quiet: bool) -> dict[str, Any]:
-    """Follow the job to its end with a progress bar over its optimizer steps (on stderr)."""
-    bar = tqdm(total=None, unit="step", desc=job_id[:12], file=sys.stderr, disable=quiet)
+    """Follow the job to its end over the gateway's event stream: a progress bar over its
+    optimizer steps on a terminal (stderr); in a log (not a terminal), a line per state
+    change, per epoch and at most every ``_LOG_EVERY_S`` seconds of progress."""
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=None, unit="step", desc=job_id[:12], file=sys.stderr,
+               disable=quiet or not interactive)  # fmt: skip
     job: dict[str, Any] = {}
+    logged: tuple[str, int] = ("", 0)
+    logged_at = 0.0
     try:
         for job in client.follow(job_id):
             progress = job["progress"]
@@ -168,20 +174,38 @@ def follow_with_progress(client: GatewayClient, job_id: str, *, quiet: bool) -> 
             if bar.total is not None and bar.n > bar.total:
                 # Partial steps at epoch ends (a trainer short of batches) add steps.
                 bar.total = bar.n
-            epochs = job.get("epochs") or []
-            postfix: dict[str, Any] = {"state": job["state"], "epoch": progress.get("epoch")}
-            if progress.get("loss") is not None:
-                postfix["loss"] = f"{progress['loss']:.3f}"
-            if epochs and epochs[-1].get("eval_accuracy") is not None:
-                postfix["eval_acc"] = f"{epochs[-1]['eval_accuracy']:.3f}"
-            if progress.get("samples_per_second"):
-                postfix["samples/s"] = f"{progress['samples_per_second']:.0f}"
-            if progress.get("data_wait_ratio") is not None:
-                postfix["data_wait"] = f"{progress['data_wait_ratio']:.1%}"
+            postfix = _postfix(job)
             bar.set_postfix(postfix, refresh=True)
+            epochs = len(job.get("epochs") or [])
+            now = time.monotonic()
+            if not (quiet or interactive) and (
+                (job["state"], epochs) != logged or now - logged_at >= _LOG_EVERY_S
+            ):
+                total = progress.get("total_steps") or "?"
+                details = " ".join(f"{k}={v}" for k, v in postfix.items())
+                print(f"job {job_id}: step {bar.n}/{total} {details}", file=sys.stderr, flush=True)
+                logged, logged_at = (job["state"], epochs), now
     finally:
         bar.close()
     return job
+
+
+_LOG_EVERY_S = 10.0
+
+
+def _postfix(job: dict[str, Any]) -> dict[str, Any]:
+    progress = job["progress"]
+    epochs = job.get("epochs") or []
+    postfix: dict[str, Any] = {"state": job["state"], "epoch": progress.get("epoch")}
+    if progress.get("loss") is not None:
+        postfix["loss"] = f"{progress['loss']:.3f}"
+    if epochs and epochs[-1].get("eval_accuracy") is not None:
+        postfix["eval_acc"] = f"{epochs[-1]['eval_accuracy']:.3f}"
+    if progress.get("samples_per_second"):
+        postfix["samples/s"] = f"{progress['samples_per_second']:.0f}"
+    if progress.get("data_wait_ratio") is not None:
+        postfix["data_wait"] = f"{progress['data_wait_ratio']:.1%}"
+    return postfix
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -277,6 +301,42 @@ def register(app: typer.Typer) -> None:
         print(_dumps(found))
         if found["state"] in TERMINAL_STATES and found["state"] != "completed":
             raise typer.Exit(1)
+
+    @app.command("jobs")
+    def list_jobs(
+        state_dir: StateDir = DEFAULT_STATE_DIR,
+        gateway: GatewayOption = None,
+        token: TokenOption = None,
+        state: Annotated[
+            str | None, typer.Option(help="Only jobs in this state (pending, running, ...).")
+        ] = None,
+        limit: Annotated[int, typer.Option(min=1, max=1000, help="Most jobs listed.")] = 50,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
+    ) -> None:
+        """List jobs, newest first."""
+        try:
+            with gateway_for(state_dir, gateway, token, start=False) as client:
+                found = client.jobs(state=state, limit=limit)
+        except ConveyorError as exc:
+            _fail(str(exc))
+        if as_json:
+            print(_dumps({"jobs": found, "count": len(found)}))
+            return
+        table = Table("id", "name", "state", "epoch", "step", "loss", "submitted")
+        for job in found:
+            progress = job["progress"]
+            total = progress.get("total_steps")
+            loss = progress.get("loss")
+            table.add_row(
+                job["id"],
+                job["name"],
+                job["state"],
+                f"{progress['epoch']}/{progress['epochs']}",
+                f"{progress['step']}/{total}" if total else str(progress["step"]),
+                "" if loss is None else f"{loss:.3f}",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["submitted_at"])),
+            )
+        Console().print(table)
 
     @app.command()
     def cancel(

@@ -40,6 +40,24 @@ _err = err
 _fail = fail
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        print(f"conveyor {version('conveyor')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Distributed PyTorch training fed by a Kafka data pipeline."""
+
+
 def _print_json(data: dict[str, Any]) -> None:
     # Plain print: rich would highlight and wrap, and the output is for programs.
     print(json.dumps(data, sort_keys=True))
