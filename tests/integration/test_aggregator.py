@@ -39,7 +39,7 @@ from conveyor.services.aggregator.job import JobContext, prepare_job
 from conveyor.services.aggregator.service import AggregatorService
 from conveyor.services.checkpointer.config import CheckpointerSettings
 from conveyor.services.checkpointer.service import CheckpointerService
-from conveyor.training.checkpoint import CheckpointStore
+from conveyor.training.checkpoint import CheckpointStore, slice_key
 from conveyor.training.datasets import Dataset, open_dataset
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
@@ -110,6 +110,14 @@ async def aggregator(kafka: KafkaSettings, objects: Path) -> AsyncIterator[Aggre
         if not serving.done():
             service.request_stop()
         assert await asyncio.wait_for(serving, 60) == 0
+
+
+def corrupt_slice(objects: Path, job_id: str, *, version: int, slice_index: int) -> None:
+    """Bit rot in a committed checkpoint's file: same size, different bytes."""
+    path = objects / slice_key(job_id, version, slice_index)
+    data = bytearray(path.read_bytes())
+    data[-4:] = bytes(4) if data[-4:] != bytes(4) else b"\xff" * 4
+    path.write_bytes(bytes(data))
 
 
 def committed_versions(peer: Peer) -> list[int]:
@@ -196,6 +204,13 @@ FAILOVER_OPTIMIZERS: dict[str, dict[str, Any]] = {
         "every_steps": 2,
     },
     "adam": {"optimizer": {"name": "adam", "lr": 0.01, "weight_decay": 1e-4}},
+    # Checkpoints at versions 1 and 2; v2's slice 0 is corrupted before the failover: the new
+    # owner detects it, says so (checkpoint_unusable) and rebuilds from v1 + two versions.
+    "adam-corrupt-latest": {
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "every_steps": 1,
+        "corrupt": True,
+    },
 }
 
 
@@ -226,11 +241,16 @@ async def test_sync_two_slices_with_failover_matches_replay(
         queue = peer.train_batches(0)
         while True:
             await peer.wait_for(lambda v=version: peer.has_params(v))  # type: ignore[misc]
-            if version == 3 and stopped_at is None and options.get("every_steps"):
+            # The corrupt variant fails over at version 2, when v2 is the newest checkpoint
+            # there can be (no later StepClose exists before the peer contributes again).
+            stop_at = 2 if options.get("corrupt") else 3
+            if version == stop_at and stopped_at is None and options.get("every_steps"):
                 # The checkpoint of version 2 is committed before the failover, so the new
-                # owner restores from it and replays version 3.
+                # owner restores from it and replays what follows.
                 await peer.wait_for(lambda: 2 in committed_versions(peer), 30)
-            if version == 3 and stopped_at is None:
+                if options.get("corrupt"):
+                    corrupt_slice(tmp_path, ctx.job_id, version=2, slice_index=0)
+            if version == stop_at and stopped_at is None:
                 # Stop the coordinator's process: its slice and the coordination move over.
                 owner = await slice_owner((first, second), ctx.job_id, 0)
                 await stop(owner)
@@ -265,6 +285,12 @@ async def test_sync_two_slices_with_failover_matches_replay(
         assert len(committed) == 3
     manifest, states, skipped = checkpoints.latest_good()
     assert manifest is not None and manifest.version == final and not skipped
+    unusable = [e.details() for e in peer.event("checkpoint_unusable")]
+    if options.get("corrupt"):
+        assert [(u["version"], u["used_version"]) for u in unusable] == [(2, 1)], unusable
+        assert "slice-0" in unusable[0]["reason"]
+    else:
+        assert unusable == []
     for index, (first_param, end_param) in enumerate(ctx.bounds):
         assert torch.equal(states[index].values, peer.flat_params(final)[first_param:end_param])
     allocations = [c.allocation for c in peer.closes.values()]
