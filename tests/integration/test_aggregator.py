@@ -287,7 +287,9 @@ async def test_sync_two_slices_with_failover_matches_replay(
     assert manifest is not None and manifest.version == final and not skipped
     unusable = [e.details() for e in peer.event("checkpoint_unusable")]
     if options.get("corrupt"):
-        assert [(u["version"], u["used_version"]) for u in unusable] == [(2, 1)], unusable
+        # Once per process that opened the slice after the corruption (a rebalance may move
+        # it more than once).
+        assert {(u["version"], u["used_version"]) for u in unusable} == {(2, 1)}, unusable
         assert "slice-0" in unusable[0]["reason"]
     else:
         assert unusable == []
