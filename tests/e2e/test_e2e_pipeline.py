@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,3 +264,26 @@ def test_trainer_killed_mid_job_is_replaced_without_loss_or_repeat(stack: Runnin
     joined = re.search(rf"job {job_id}: joined at version (\d+)", log)
     assert joined is not None, "the replacement trainer did not join the job"
     assert at_kill["progress"]["step"] <= int(joined.group(1)) < steps_total
+
+
+def test_the_readmes_curl_examples_run_against_the_stack(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    script = next(b.split("```")[0] for b in readme.split("```sh\n")[1:] if "curl" in b)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**stack.env, "GW": str(stack.state.gateway_url)},
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "event: snapshot" in done.stdout and "event: completed" in done.stdout
+    job_id = json.loads(
+        next(line for line in done.stdout.splitlines() if line.startswith('{"id":'))
+    )["id"]
+    assert stack.job(job_id)["state"] == "completed"
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    assert weights == stack.store().get_bytes(f"jobs/{job_id}/model.safetensors")
