@@ -139,11 +139,11 @@ def digits_spec(*, epochs: int, threads: int) -> dict[str, Any]:
 
 def total_steps(spec: dict[str, Any]) -> int:
     """Optimizer steps of the whole job (the dataset is opened to count its samples)."""
-    from conveyor.training.datasets import open_dataset
+    from conveyor.training.datasets import open_array_dataset
     from conveyor.training.jobspec import JobSpec
 
     job = JobSpec.from_dict(spec)
-    samples = open_dataset(job.dataset.uri).num_samples
+    samples = open_array_dataset(job.dataset.uri).num_samples
     train = samples - int(samples * job.dataset.eval_fraction)
     micro_batches = math.ceil(train / job.training.micro_batch_size)
     return job.training.epochs * math.ceil(micro_batches / job.micro_batches_per_step)
@@ -249,7 +249,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
 
     from conveyor.services.preprocessor.work import augmenter_for
     from conveyor.services.trainer.compute.engine import resolve_device
-    from conveyor.training.datasets import open_dataset
+    from conveyor.training.datasets import open_array_dataset
     from conveyor.training.jobspec import JobSpec
     from conveyor.training.models import build_model
     from conveyor.training.optim import build_optimizer
@@ -265,7 +265,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     if spec.resources.threads is not None:
         torch.set_num_threads(spec.resources.threads)
     device = resolve_device(spec.resources.device)
-    dataset = open_dataset(spec.dataset.uri)
+    dataset = open_array_dataset(spec.dataset.uri)
     train_ids, eval_ids = split_ids(dataset.num_samples, spec.dataset.eval_fraction, training.seed)
     order = ReleaseOrder(train_ids, eval_ids, training.micro_batch_size, training.seed)
     loader = torch.utils.data.DataLoader(

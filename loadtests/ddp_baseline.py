@@ -44,14 +44,14 @@ def _timed_steps(
     from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from conveyor.training.datasets import open_dataset
+    from conveyor.training.datasets import open_array_dataset
     from conveyor.training.jobspec import JobSpec
     from conveyor.training.optim import build_optimizer
     from conveyor.training.plan import epoch_order, split_ids
     from conveyor.training.slicing import build_job_model
 
     spec = JobSpec.from_dict(spec_dict)
-    dataset = open_dataset(spec.dataset.uri)
+    dataset = open_array_dataset(spec.dataset.uri)
     train_ids, _ = split_ids(dataset.num_samples, spec.dataset.eval_fraction, spec.training.seed)
     order = epoch_order(train_ids, spec.training.seed, 0)
     per_rank = spec.training.global_batch_size // world

@@ -25,7 +25,7 @@ import torch
 import yaml
 from torch.nn import functional as F
 
-from conveyor.training.datasets import open_dataset
+from conveyor.training.datasets import open_array_dataset
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.optim import SliceOptimizer, staleness_momentum
 from conveyor.training.plan import epoch_order, split_ids
@@ -46,7 +46,7 @@ def ssp_accuracy(
     data["training"].update(seed=seed, epochs=epochs)
     spec = JobSpec.from_dict(data)
     training = spec.training
-    dataset = open_dataset(spec.dataset.uri)
+    dataset = open_array_dataset(spec.dataset.uri)
     train_ids, eval_ids = split_ids(dataset.num_samples, spec.dataset.eval_fraction, seed)
     model = build_job_model(
         spec, num_classes=dataset.num_classes, sample_shape=dataset.sample_shape

@@ -34,7 +34,7 @@ def reference_accuracy(spec_dict: dict[str, Any], *, seed: int | None = None) ->
 
     from conveyor.services.trainer.plane.gradients import SliceEncoder
     from conveyor.training.compression import decode_slice
-    from conveyor.training.datasets import open_dataset
+    from conveyor.training.datasets import open_array_dataset
     from conveyor.training.jobspec import JobSpec
     from conveyor.training.optim import aggregator_optimizer, build_optimizer, lr_at
     from conveyor.training.plan import epoch_order, split_ids
@@ -47,7 +47,7 @@ def reference_accuracy(spec_dict: dict[str, Any], *, seed: int | None = None) ->
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        dataset = open_dataset(spec.dataset.uri)
+        dataset = open_array_dataset(spec.dataset.uri)
         train_ids, eval_ids = split_ids(
             dataset.num_samples, spec.dataset.eval_fraction, spec.training.seed
         )

@@ -21,6 +21,7 @@ from conveyor.platform.messages import (
     JobFailed,
     JobPlanned,
     JobSubmitted,
+    SamplesSkipped,
     TrainerJoined,
     TrainerProgress,
 )
@@ -92,4 +93,6 @@ def job_event(job_id: str, name: str, *, at: float | None = None, **fields: Any)
         return JobFailed(job_id=job_id, at=stamp, **{"reason": "test", **fields})
     if name == "cancelled":
         return JobCancelled(job_id=job_id, at=stamp, **{"reason": "test", **fields})
+    if name == "samples_skipped":
+        return SamplesSkipped(job_id=job_id, at=stamp, **fields)
     raise ValueError(f"no job event is called {name!r}")

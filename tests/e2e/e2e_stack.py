@@ -56,15 +56,16 @@ def base_env() -> dict[str, str]:
 
 
 def conveyor(
-    *args: str, env: dict[str, str], timeout_s: float = 180.0
+    *args: str, env: dict[str, str], timeout_s: float = 180.0, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``conveyor`` command line as a subprocess."""
+    """Run the ``conveyor`` command line as a subprocess (in ``cwd``, default this one's)."""
     return subprocess.run(
         [sys.executable, "-m", "conveyor", *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=timeout_s,
+        cwd=cwd,
     )
 
 
@@ -266,12 +267,16 @@ def running_stack(
     args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     storage: StorageSettings | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[RunningStack]:
-    """`conveyor up --state-dir state_dir ARGS` with :func:`base_env` plus ``env``; stopped
-    (with every extra process) on exit. ``storage``: how to reach an S3 object store."""
+    """`conveyor up --state-dir state_dir ARGS` with :func:`base_env` plus ``env``, in ``cwd``
+    (the services' working directory); stopped (with every extra process) on exit.
+    ``storage``: how to reach an S3 object store."""
     full_env = {**base_env(), **(env or {})}
     try:
-        started = conveyor("up", "--state-dir", str(state_dir), "--json", *args, env=full_env)
+        started = conveyor(
+            "up", "--state-dir", str(state_dir), "--json", *args, env=full_env, cwd=cwd
+        )
         if started.returncode != 0:
             raise AssertionError(f"conveyor up failed ({started.returncode}):\n{started.stderr}")
         stack = RunningStack(

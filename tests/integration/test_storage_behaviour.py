@@ -47,6 +47,21 @@ def test_empty_object(backend: Backend) -> None:
     assert backend.store.get_bytes("empty") == b""
 
 
+def test_get_range_reads_part_of_an_object(backend: Backend) -> None:
+    store = backend.store
+    data = bytes(range(256)) * 40
+    store.put_bytes("r/blob", data)
+    assert store.get_range("r/blob", 0, 10) == data[:10]
+    assert store.get_range("r/blob", 1000, 300) == data[1000:1300]
+    assert store.get_range("r/blob", len(data) - 5, 50) == data[-5:]  # short at the end
+    assert store.get_range("r/blob", len(data), 10) == b""
+    assert store.get_range("r/blob", 7, 0) == b""
+    with pytest.raises(ObjectNotFound):
+        store.get_range("r/none", 0, 10)
+    with pytest.raises(ValueError, match="offset >= 0"):
+        store.get_range("r/blob", -1, 10)
+
+
 def test_file_round_trip_streams_multi_chunk_files(backend: Backend, tmp_path: Path) -> None:
     data = payload(3 * CHUNK_BYTES + 17)
     src = tmp_path / "src.bin"

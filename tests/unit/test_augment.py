@@ -111,19 +111,27 @@ def test_no_ops_returns_input_and_specs_round_trip() -> None:
         {"name": "hflip", "p": 0.25},
     ]
     assert build_augmenter(augmenter.to_specs()) == augmenter
-    assert known_ops() == ["cpu_cost", "hflip", "noise", "random_crop"]
+    assert known_ops() == [
+        "color_jitter", "cpu_cost", "hflip", "noise", "random_crop", "random_resized_crop",
+        "resize",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("specs", "message"),
     [
-        ([{"name": "rotate"}], r"'rotate' \(known: cpu_cost, hflip, noise, random_crop\)"),
+        ([{"name": "rotate"}], r"'rotate' \(known: color_jitter, cpu_cost, hflip, noise, rand"),
         ([{"padding": 4}], "unknown op None"),
         ([{"name": "hflip", "prob": 0.5}], r"unknown parameter\(s\) \['prob'\]"),
         ([{"name": "hflip", "p": 1.5}], r"p=1.5 must be in \[0.0, 1.0\]"),
         ([{"name": "noise"}], "needs parameter 'std'"),
         ([{"name": "cpu_cost", "ms": "5"}], "ms must be a number"),
         ([{"name": "random_crop", "padding": 2.5}], "padding must be an integer"),
+        ([{"name": "resize"}, {"name": "random_resized_crop"}], "at most one of resize"),
+        ([{"name": "resize", "fit": "pad"}], "fit must be crop or stretch"),
+        ([{"name": "random_resized_crop", "scale": [0.5, 0.2]}], r"scale=0.2 must be in"),
+        ([{"name": "random_resized_crop", "ratio": 2}], r"ratio must be \[low, high\]"),
+        ([{"name": "color_jitter", "hue": 0.7}], r"hue=0.7 must be in \[0.0, 0.5\]"),
     ],
 )
 def test_bad_specs(specs: list[dict[str, object]], message: str) -> None:
@@ -139,3 +147,78 @@ def test_bad_apply_arguments() -> None:
         augmenter.apply(_images(2).astype(np.float32), [0, 1], seed=0, epoch=0)
     with pytest.raises(ValueError, match="epoch must be >= 0"):
         augmenter.apply(_images(2), [0, 1], seed=0, epoch=-1)
+
+
+# --- sizing and colour ops ------------------------------------------------------------------
+
+
+def _sized_images(sizes: list[tuple[int, int]], channels: int = 3) -> list[np.ndarray]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(0, 256, (channels, h, w), dtype=np.uint8) for h, w in sizes]
+
+
+def test_images_of_any_size_reach_the_output_size_deterministically() -> None:
+    images = _sized_images([(40, 60), (17, 9), (32, 32), (8, 100)])
+    ops = [{"name": "random_resized_crop", "scale": [0.3, 1.0]}, {"name": "hflip"},
+           {"name": "color_jitter", "brightness": 0.4, "contrast": 0.4, "saturation": 0.4,
+            "hue": 0.1}]  # fmt: skip
+    augmenter = build_augmenter(ops, image_size=(16, 24))
+    ids = np.array([7, 1, 90, 3])
+    out = augmenter.apply(images, ids, seed=3, epoch=1)
+    assert out.shape == (4, 3, 16, 24) and out.dtype == np.uint8
+    # A redelivered shard, or the same sample in another batch, gives the same bytes.
+    np.testing.assert_array_equal(augmenter.apply(images, ids, seed=3, epoch=1), out)
+    np.testing.assert_array_equal(augmenter.apply(images[2:3], ids[2:3], seed=3, epoch=1), out[2:3])
+    assert not np.array_equal(augmenter.apply(images, ids, seed=3, epoch=2), out)
+    # Evaluation: deterministic, whatever the seed and epoch, equal to a plain resize (fit crop).
+    evaluation = augmenter.for_eval()
+    assert evaluation.to_specs() == [{"name": "resize", "fit": "crop"}]
+    a = evaluation.apply(images, ids, seed=3, epoch=1)
+    np.testing.assert_array_equal(a, evaluation.apply(images, ids, seed=9, epoch=5))
+    resized = build_augmenter([], image_size=(16, 24)).apply(images, ids, seed=0, epoch=0)
+    np.testing.assert_array_equal(a, resized)
+
+
+def test_resize_fit_crop_keeps_the_centre_and_stretch_keeps_everything() -> None:
+    image = np.zeros((1, 20, 40), dtype=np.uint8)
+    image[:, :, :5] = 255  # a white left eighth
+    crop = build_augmenter([{"name": "resize"}], image_size=(10, 10))
+    centre = crop.apply([image], [0], seed=0, epoch=0)[0]
+    assert centre.shape == (1, 10, 10) and int(centre.max()) == 0  # the centre is black
+    stretch = build_augmenter([{"name": "resize", "fit": "stretch"}], image_size=(10, 20))
+    whole = stretch.apply([image], [0], seed=0, epoch=0)[0]
+    assert int(whole[0, 5, 0]) == 255 and int(whole[0, 5, -1]) == 0
+    same = build_augmenter([{"name": "resize"}]).apply(_images(2), [0, 1], seed=0, epoch=0)
+    np.testing.assert_array_equal(same, _images(2))  # already the size: untouched
+
+
+def test_random_resized_crop_of_a_constant_image_is_constant() -> None:
+    image = np.full((3, 50, 70), 77, dtype=np.uint8)
+    augmenter = build_augmenter([{"name": "random_resized_crop"}], image_size=(8, 8))
+    out = augmenter.apply([image] * 5, range(5), seed=0, epoch=0)
+    assert out.shape == (5, 3, 8, 8) and set(np.unique(out).tolist()) == {77}
+
+
+def test_color_jitter_factors() -> None:
+    gray = np.full((3, 4, 4), 100, dtype=np.uint8)
+    bright = build_augmenter([{"name": "color_jitter", "brightness": 0.5}])
+    values = {int(bright.apply(gray[None], [i], seed=0, epoch=0)[0, 0, 0, 0]) for i in range(20)}
+    assert min(values) >= 50 and max(values) <= 150 and len(values) > 5
+    hue = build_augmenter([{"name": "color_jitter", "saturation": 1.0, "hue": 0.5}])
+    np.testing.assert_array_equal(hue.apply(gray[None], [0], seed=0, epoch=0)[0], gray)  # no colour
+    one_channel = np.full((1, 1, 4, 4), 100, dtype=np.uint8)
+    np.testing.assert_array_equal(hue.apply(one_channel, [0], seed=0, epoch=0), one_channel)
+    red = np.zeros((1, 3, 2, 2), dtype=np.uint8)
+    red[:, 0] = 200
+    turned = build_augmenter([{"name": "color_jitter", "hue": 0.5}]).apply(
+        red, [1], seed=0, epoch=0
+    )
+    assert not np.array_equal(turned, red)
+
+
+def test_images_of_several_sizes_need_an_output_size() -> None:
+    images = _sized_images([(10, 12), (11, 12)])
+    with pytest.raises(ValueError, match="need image_size"):
+        build_augmenter([{"name": "hflip"}]).apply(images, [0, 1], seed=0, epoch=0)
+    with pytest.raises(ValueError, match=r"image_size must be \[H, W\]"):
+        build_augmenter([], image_size=(0, 5))

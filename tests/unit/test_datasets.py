@@ -110,7 +110,9 @@ def test_bad_uris_raise_clear_dataset_errors(uri: str, message: str) -> None:
 
 
 def test_known_schemes() -> None:
-    assert known_schemes() == ["builtin", "mnist-idx", "npz", "synthetic"]
+    assert known_schemes() == [
+        "builtin", "imagefolder", "mnist-idx", "npz", "parquet", "synthetic", "webdataset",
+    ]  # fmt: skip
 
 
 # --- synthetic ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_every_dataset_scheme_says_where_it_reads() -> None:
     for scheme in sorted(DATASET_SCHEMES):
         dataset_location(f"{scheme}://x")
     with pytest.raises(ValueError, match="no location rule"):
-        dataset_location("imagefolder:///data/x")
+        dataset_location("video:///data/x")
     with pytest.raises(ValueError, match="no scheme"):
         dataset_location("/data/x")
 
@@ -88,6 +88,11 @@ def test_dataset_location_is_what_the_reader_opens(
     assert dataset_location("mnist-idx://file://data/x") == "file://data/x"
     with pytest.raises(ValueError, match="names no directory"):
         dataset_location("npz://file://")
+    # The image-file readers open a FileObjectStore too; webdataset's last segment names shards.
+    assert dataset_location(f"imagefolder://{tree}/data/link/../../x") == f"file://{tree}/x"
+    assert dataset_location("webdataset://data/{0..3}.tar") == f"file://{tree}/data"
+    assert dataset_location("webdataset://{0..3}.tar") == f"file://{tree}"
+    assert dataset_location("parquet://data/x.parquet?image=png") == f"file://{tree}/data/x.parquet"
 
 
 def test_a_spec_inside_the_roots_is_allowed(tree: Path, storage: StorageSettings) -> None:

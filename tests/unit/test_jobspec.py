@@ -67,7 +67,7 @@ def test_to_dict_is_json_safe_and_round_trips() -> None:
     assert JobSpec.from_dict(data) == spec
 
 
-@pytest.mark.parametrize("name", ["digits.yaml", "synthetic.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_examples_validate(name: str) -> None:
     spec = JobSpec.from_yaml((EXAMPLES / name).read_text())
     assert spec.training.global_batch_size % spec.training.micro_batch_size == 0
@@ -240,3 +240,42 @@ def test_the_readmes_distribution_snippet_validates() -> None:
         "adaptive",
     )
     assert (distribution.compression.kind, distribution.compression.ratio) == ("topk", 0.01)
+
+
+def test_image_file_datasets_need_an_image_size() -> None:
+    data = spec_with("dataset.uri", "imagefolder:///data/pets")
+    assert errors_of(data) == [
+        (("preprocess",), "Value error, imagefolder:// images have any size: set image_size "
+                          "[H, W], the shape the preprocessors bring them to"),
+    ]  # fmt: skip
+    data["preprocess"] = {"image_size": [32, 32], "channels": 1}
+    spec = JobSpec.model_validate(data)
+    assert (spec.preprocess.image_size, spec.preprocess.channels) == ((32, 32), 1)
+    assert spec.dataset.max_bad_samples == 10
+
+
+@pytest.mark.parametrize(
+    ("preprocess", "fragment"),
+    [
+        ({"image_size": [0, 8]}, "sides must be in [1, 4096]"),
+        ({"channels": 2}, "Input should be 1 or 3"),
+        ({"augment": [{"name": "resize"}, {"name": "random_resized_crop"}]}, "at most one of"),
+        ({"augment": [{"name": "random_resized_crop", "scale": [0.5, 1.5]}]}, "at most 1"),
+        ({"augment": [{"name": "random_resized_crop", "ratio": [2, 1]}]}, "0 < low <= high"),
+        ({"augment": [{"name": "color_jitter", "hue": 0.6}]}, "less than or equal to 0.5"),
+        ({"augment": [{"name": "resize", "fit": "pad"}]}, "'crop' or 'stretch'"),
+    ],
+)
+def test_preprocess_rules(preprocess: dict[str, Any], fragment: str) -> None:
+    messages = [message for _, message in errors_of(spec_with("preprocess", preprocess))]
+    assert any(fragment in message for message in messages), messages
+
+
+def test_tokens_are_refused_until_a_job_can_train_them() -> None:
+    [(loc, message)] = errors_of(spec_with("dataset.uri", "tokens:///data/owt.bin"))
+    assert loc == ("dataset", "uri") and "readable but not trainable yet" in message
+
+
+def test_max_bad_samples_range() -> None:
+    [(loc, _)] = errors_of(spec_with("dataset.max_bad_samples", -1))
+    assert loc == ("dataset", "max_bad_samples")

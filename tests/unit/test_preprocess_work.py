@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def make_task(**overrides: object) -> ShardTask:
 
 def run(task: ShardTask) -> list[Batch]:
     dataset = open_dataset(task.dataset_uri)
-    return process_shard(dataset, task, augmenter_for(task.preprocess))
+    return process_shard(dataset, task, augmenter_for(task.preprocess)).batches
 
 
 def test_batches_ids_shapes_dtypes_and_labels() -> None:
@@ -121,7 +122,7 @@ def test_bad_inputs_raise() -> None:
 def test_released_timestamp_only_when_released() -> None:
     task = make_task(released_at=0.0)
     samples = read_shard(open_dataset(DIGITS), task)
-    batches = make_batches(task, samples, augmenter_for({}))
+    batches = make_batches(task, samples, augmenter_for({})).batches
     assert "released" not in batches[0].timestamps
 
 
@@ -147,3 +148,70 @@ async def test_dataset_cache_reuses_and_evicts() -> None:
     assert await cache.get(DIGITS) is not first  # evicted, reopened
     with pytest.raises(DatasetError):
         await asyncio.wait_for(cache.get("npz:///does/not/exist"), 10)
+
+
+# --- image files: decoding, sizing, bad samples ----------------------------------------------
+
+
+def _image_folder(root: Path, count: int = 12) -> None:
+    from conveyor.training.datasets.images import encode_png
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = root / f"c{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, (3, 10 + i, 14), dtype=np.uint8)
+        (folder / f"{i:03d}.png").write_bytes(encode_png(pixels))
+
+
+def test_image_files_are_decoded_sized_and_bit_identical_when_redone(tmp_path: Path) -> None:
+    _image_folder(tmp_path)
+    preprocess = {
+        "image_size": [8, 6],
+        "channels": 1,
+        "augment": [{"name": "random_resized_crop"}, {"name": "hflip"},
+                    {"name": "color_jitter", "brightness": 0.3}],
+    }  # fmt: skip
+    task = make_task(dataset_uri=f"imagefolder://{tmp_path}", sample_ids=[11, 0, 5, 7, 2],
+                     micro_batch_size=2, preprocess=preprocess)  # fmt: skip
+    first = run(task)
+    assert [b.sample_ids for b in first] == [[11, 0], [5, 7], [2]]
+    assert all(list(b.x.shape[1:]) == [1, 8, 6] and b.x.dtype == torch.uint8 for b in first)
+    assert [b.y.tolist() for b in first] == [[2, 0], [1, 1], [0]]
+    # A redelivered task (another process, another time) sends the very same bytes.
+    again = run(task)
+    for a, b in zip(first, again, strict=True):
+        a.timestamps.clear()
+        b.timestamps.clear()
+        assert encode(a) == encode(b)
+    # Evaluation shards get the deterministic resize only: equal whatever the seed.
+    evaluation_task = {"dataset_uri": task.dataset_uri, "sample_ids": [11, 0], "split": "eval",
+                       "shard_id": "job1:e2:eval:00000", "preprocess": preprocess}  # fmt: skip
+    evaluation = run(make_task(**evaluation_task))
+    other_seed = run(make_task(**evaluation_task, seed=99))
+    assert torch.equal(evaluation[0].x, other_seed[0].x)
+
+
+def test_bad_images_are_left_out_and_reported(tmp_path: Path) -> None:
+    _image_folder(tmp_path)
+    whole = (tmp_path / "c1" / "001.png").read_bytes()
+    (tmp_path / "c1" / "001.png").write_bytes(whole[: len(whole) // 2])  # truncated
+    (tmp_path / "c2" / "005.png").write_bytes(b"plain text")
+    uri = f"imagefolder://{tmp_path}"
+    dataset = open_dataset(uri)
+    task = make_task(dataset_uri=uri, sample_ids=[0, 4, 1, 9, 6, 8], micro_batch_size=2,
+                     preprocess={"image_size": [8, 8]})  # fmt: skip
+    # Ids: c0 holds 000,003,006,009 (ids 0-3), c1 001,004,007,010 (4-7), c2 002,005,.. (8-11).
+    output = process_shard(dataset, task, augmenter_for(task.preprocess))
+    assert [b.sample_ids for b in output.batches] == [[0], [1], [6, 8]]
+    assert [b.batch_id for b in output.batches] == batch_ids(task)
+    assert [(b.sample_id, b.source) for b in output.bad] == [
+        (4, f"file://{tmp_path}/c1/001.png"), (9, f"file://{tmp_path}/c2/005.png"),
+    ]  # fmt: skip
+    assert output.bad[0].reason.startswith("corrupt image")
+    assert output.bad[1].reason == "not a JPEG/PNG image"
+    # A micro-batch with no good sample left fails the shard with the reasons.
+    lonely = make_task(dataset_uri=uri, sample_ids=[4, 0], micro_batch_size=1,
+                       preprocess={"image_size": [8, 8]})  # fmt: skip
+    with pytest.raises(DatasetError, match=r"every sample of micro-batch 0 is bad \(.*001\.png"):
+        process_shard(dataset, lonely, augmenter_for(lonely.preprocess))

@@ -250,6 +250,35 @@ def test_job_table_holds_submitted_and_folds_events() -> None:
     assert table.get("other") is None and len(table) == 1
 
 
+def test_job_table_counts_distinct_skipped_samples_against_the_limit() -> None:
+    table = JobTable(Topics("p."))
+    spec = {
+        "name": "d", "model": {"name": "small_cnn"},
+        "dataset": {"uri": "builtin://sklearn-digits", "max_bad_samples": 3},
+        "training": {"epochs": 1, "global_batch_size": 32, "micro_batch_size": 32,
+                     "optimizer": {"name": "sgd", "lr": 0.1}},
+    }  # fmt: skip
+    table.apply(received("j", "submitted", 0, spec=spec))
+    job = table.get("j")
+    assert job is not None and job.too_many_bad_samples() is None
+
+    def skipped(offset: int, shard: str, ids: list[int]) -> Received:
+        reasons = [f"file:///d/{i}.png: corrupt image" for i in ids]
+        return received("j", "samples_skipped", offset, shard_id=shard, sample_ids=ids,
+                        reasons=reasons)  # fmt: skip
+
+    assert table.apply(skipped(1, "j:e0:train:00000", [4, 9]))
+    assert table.apply(skipped(2, "j:e0:train:00000", [4, 9]))  # the shard redelivered
+    assert table.apply(skipped(3, "j:e1:train:00002", [9, 12]))  # the same file next epoch
+    assert job.skipped == {4, 9, 12} and job.too_many_bad_samples() is None  # 3 <= 3
+    assert table.apply(skipped(4, "j:e1:train:00003", [30]))
+    reason = job.too_many_bad_samples()
+    assert reason is not None and reason.startswith(
+        "4 samples failed validation, more than dataset.max_bad_samples=3: "
+        "file:///d/4.png: corrupt image; file:///d/9.png: corrupt image"
+    )
+
+
 def test_job_table_records_spec_errors() -> None:
     table = JobTable(Topics("p."))
     table.apply(received("j1", "submitted", 0, spec={"name": "x"}))

@@ -424,8 +424,11 @@ def register(app: typer.Typer) -> None:
     @dataset.command("pack")
     def pack(
         source: Annotated[
-            Path,
-            typer.Argument(help="An idx directory, a .npz with x and y, or a .npy images file."),
+            str,
+            typer.Argument(
+                help="An idx directory, a .npz with x and y, a .npy images file, or an image "
+                "folder (class folders of JPEG/PNG; a directory or imagefolder://s3://...)."
+            ),
         ],
         dest: Annotated[str, typer.Argument(help="Local directory or s3://bucket/prefix.")],
         labels: Annotated[
@@ -434,13 +437,30 @@ def register(app: typer.Typer) -> None:
         shard_size: Annotated[int, typer.Option(min=1, help="Samples per shard.")] = 4096,
         overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset.")] = False,
     ) -> None:
-        """Write npz shards and a manifest (last) from arrays or idx files; prints the dataset
-        URI to put in a job spec. S3 credentials come from CONVEYOR_STORAGE_S3_*."""
+        """Write shards and a manifest (last, with each shard's sha256); prints the dataset URI
+        to put in a job spec. Arrays and idx files become npz shards, an image folder
+        WebDataset tar shards (the files' bytes as they are). S3 credentials come from
+        CONVEYOR_STORAGE_S3_*."""
         from conveyor.platform.config import StorageSettings
         from conveyor.training.datasets.pack import pack_source
+        from conveyor.training.datasets.pack_webdataset import is_image_folder, pack_imagefolder
 
+        remote = (dest, source.removeprefix("imagefolder://"))
         try:
-            storage = StorageSettings() if dest.startswith(("s3://", "npz://s3://")) else None
+            storage = StorageSettings() if any("s3://" in place for place in remote) else None
+            if is_image_folder(source):
+                if labels is not None:
+                    raise ValueError("--labels is only for .npy inputs")
+                folder = pack_imagefolder(
+                    source, dest, shard_size=shard_size, storage=storage, overwrite=overwrite
+                )
+                Console(stderr=True).print(
+                    f"packed {folder.manifest.num_samples} images of "
+                    f"{len(folder.manifest.classes)} classes into "
+                    f"{len(folder.manifest.shards)} tar shard(s)"
+                )
+                print(folder.uri)
+                return
             result = pack_source(
                 source,
                 dest,

@@ -76,6 +76,7 @@ from conveyor.platform.messages.job_events import (
     JobFailed,
     JobPlanned,
     JobSubmitted,
+    SamplesSkipped,
     TrainerJoined,
     TrainerProgress,
 )
@@ -126,6 +127,7 @@ __all__ = [
     "ParamSlice",
     "Record",
     "Rejection",
+    "SamplesSkipped",
     "ShardTask",
     "SliceSaved",
     "StepClose",

@@ -262,6 +262,34 @@ class JobFailed(JobEvent):
     """The process that failed it, when it has a worker id."""
 
 
+MAX_SKIPPED_REASONS = 10
+"""Reasons one ``SamplesSkipped`` event carries at most (its ids are all there)."""
+
+
+@message("SamplesSkipped", version=1)
+@dataclass(kw_only=True, slots=True)
+class SamplesSkipped(JobEvent):
+    """A preprocessor left samples of one shard out of its batches: they failed validation
+    (corrupt image, bad tar member, null label...). The sharder counts the distinct ids of a
+    job against ``dataset.max_bad_samples``; a redelivered shard reports the same ids again."""
+
+    EVENT: ClassVar[str] = "samples_skipped"
+
+    shard_id: str
+    """The shard whose batches lack them."""
+    sample_ids: list[int]
+    """Every skipped sample id of the shard."""
+    reasons: list[str]
+    """``<file>: <reason>`` of the first few (at most MAX_SKIPPED_REASONS), for people."""
+
+    def __post_init__(self) -> None:
+        if not self.sample_ids or len(self.reasons) > MAX_SKIPPED_REASONS:
+            raise ValueError(
+                f"a SamplesSkipped names at least one sample and at most "
+                f"{MAX_SKIPPED_REASONS} reasons, got {len(self.sample_ids)} and {len(self.reasons)}"
+            )
+
+
 @message("JobCancelled", version=1)
 @dataclass(kw_only=True, slots=True)
 class JobCancelled(JobEvent):

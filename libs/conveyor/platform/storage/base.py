@@ -97,6 +97,12 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_range(offset: int, length: int) -> None:
+    """ValueError unless ``offset >= 0`` and ``length >= 0``."""
+    if offset < 0 or length < 0:
+        raise ValueError(f"a range needs offset >= 0 and length >= 0, got {offset}, {length}")
+
+
 def check_sha256(expected_sha256: str | None) -> str | None:
     """Normalise an expected digest to lowercase hex; ValueError unless 64 hex characters."""
     if expected_sha256 is None:
@@ -177,6 +183,13 @@ class ObjectStore(ABC):
     def get_bytes(self, key: str, *, expected_sha256: str | None = None) -> bytes:
         """Return the content of ``key`` after checking it against the recorded sha256 and
         ``expected_sha256``. ObjectNotFound if absent, ChecksumMismatch on a mismatch."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Return ``length`` bytes of ``key`` from byte ``offset`` (fewer only where the object
+        ends first), without reading the rest. Not verified against a checksum (that needs the
+        whole object): readers of ranges validate what they parse. ValueError for a negative
+        offset or length, ObjectNotFound if absent."""
 
     @abstractmethod
     def put_file(self, key: str, path: str | Path) -> ObjectInfo:

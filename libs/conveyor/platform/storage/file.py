@@ -34,6 +34,7 @@ from conveyor.platform.storage.base import (
     ObjectStore,
     check_key,
     check_prefix,
+    check_range,
     check_sha256,
     sha256_hex,
     verify,
@@ -86,6 +87,17 @@ class FileObjectStore(ObjectStore):
         parts: list[bytes] = []
         self._read(check_key(key), check_sha256(expected_sha256), parts.append, parts.clear)
         return b"".join(parts)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        check_range(offset, length)
+        path = self._path(check_key(key))
+        with os_errors(f"read {key!r}"):
+            try:
+                src = open(path, "rb")  # noqa: SIM115 - closed by the with below
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+                raise ObjectNotFound(f"object {self.uri_for(key)} not found") from exc
+            with src:
+                return os.pread(src.fileno(), length, offset) if length else b""
 
     def get_file(
         self, key: str, path: str | Path, *, expected_sha256: str | None = None

@@ -32,6 +32,7 @@ from conveyor.platform.storage.base import (
     StorageUnavailable,
     check_key,
     check_prefix,
+    check_range,
     check_sha256,
     sha256_hex,
     verify,
@@ -104,6 +105,24 @@ class S3ObjectStore(ObjectStore):
         parts: list[bytes] = []
         self._get(check_key(key), check_sha256(expected_sha256), parts.append)
         return b"".join(parts)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        check_range(offset, length)
+        name = self._name(check_key(key))
+        if length == 0:
+            return b""
+        with self._errors(key):
+            try:
+                response = self._client.get_object(self._bucket, name, offset=offset, length=length)
+            except S3Error as exc:
+                if exc.code != "InvalidRange":
+                    raise
+                return b""  # the range starts at or past the end of the object
+            try:
+                return bytes(response.read())
+            finally:
+                response.close()
+                response.release_conn()
 
     def get_file(
         self, key: str, path: str | Path, *, expected_sha256: str | None = None

@@ -8,9 +8,19 @@ URIs (DESIGN section 6):
 - ``npz://<dir>``, ``npz://file://<dir>``, ``npz://s3://bucket/prefix``: npz shards
   plus ``manifest.json`` (write them with ``pack_source`` / ``pack_npz``).
 - ``mnist-idx://<dir>``: the classic MNIST idx files in a local directory.
+- ``imagefolder://<dir or s3 prefix>``: class folders of JPEG/PNG files of any size.
+- ``webdataset://<dir or s3 prefix>/{000000..000127}.tar``: tar shards (``.jpg``/``.png`` +
+  ``.cls`` per key); ``pack_imagefolder`` writes them from an image folder.
+- ``parquet://<file or dir>?image=image&label=label``: image bytes + label columns (a Hugging
+  Face image dataset's Parquet export).
+
+The first four are :class:`Dataset` (uint8 arrays of one shape), the image files
+:class:`EncodedDataset` (encoded images of any size, decoded by the preprocessors).
+``tokens://<file>?dtype=uint16&block_size=256`` (:class:`TokenDataset`, ``open_tokens``) reads
+token sequences; no job trains on them yet.
 
 Opening validates cheaply and raises DatasetError with a clear reason; every
-dataset's ``read`` is thread-safe.
+dataset's reads are thread-safe.
 """
 
 from __future__ import annotations
@@ -19,49 +29,75 @@ from collections.abc import Callable
 
 from conveyor.platform.config import StorageSettings
 from conveyor.training.datasets.base import (
+    AnyDataset,
+    BadSample,
     Dataset,
     DatasetError,
     DatasetUnavailable,
+    EncodedDataset,
+    EncodedSample,
     ImageBatch,
     LabelBatch,
     burn_cpu,
+    output_shape,
     split_uri,
 )
 from conveyor.training.datasets.builtin import open_builtin
 from conveyor.training.datasets.idx import IdxDataset
+from conveyor.training.datasets.imagefolder import ImageFolderDataset
+from conveyor.training.datasets.images import BadImage, decode_image
 from conveyor.training.datasets.manifest import Manifest, ShardEntry
 from conveyor.training.datasets.npz import NpzDataset
 from conveyor.training.datasets.pack import PackResult, load_arrays, pack_idx, pack_npz, pack_source
+from conveyor.training.datasets.parquet import ParquetDataset
 from conveyor.training.datasets.synthetic import SyntheticDataset, open_synthetic
+from conveyor.training.datasets.tokens import TokenDataset
+from conveyor.training.datasets.webdataset import WebDataset
 
 __all__ = [
+    "AnyDataset",
+    "BadImage",
+    "BadSample",
     "Dataset",
     "DatasetError",
     "DatasetUnavailable",
+    "EncodedDataset",
+    "EncodedSample",
     "IdxDataset",
     "ImageBatch",
+    "ImageFolderDataset",
     "LabelBatch",
     "Manifest",
     "NpzDataset",
     "PackResult",
+    "ParquetDataset",
     "ShardEntry",
     "SyntheticDataset",
+    "TokenDataset",
+    "WebDataset",
     "burn_cpu",
+    "decode_image",
     "known_schemes",
     "load_arrays",
+    "open_array_dataset",
     "open_dataset",
+    "open_tokens",
+    "output_shape",
     "pack_idx",
     "pack_npz",
     "pack_source",
 ]
 
-_Opener = Callable[[str, StorageSettings | None], Dataset]
+_Opener = Callable[[str, StorageSettings | None], AnyDataset]
 
 _OPENERS: dict[str, _Opener] = {
     "builtin": lambda uri, _storage: open_builtin(uri),
     "synthetic": lambda uri, _storage: open_synthetic(uri),
     "npz": lambda uri, storage: NpzDataset(uri, storage=storage),
     "mnist-idx": lambda uri, _storage: IdxDataset(uri),
+    "imagefolder": lambda uri, storage: ImageFolderDataset(uri, storage=storage),
+    "webdataset": lambda uri, storage: WebDataset(uri, storage=storage),
+    "parquet": lambda uri, storage: ParquetDataset(uri, storage=storage),
 }
 
 
@@ -70,13 +106,13 @@ def known_schemes() -> list[str]:
     return sorted(_OPENERS)
 
 
-def open_dataset(uri: str, *, storage: StorageSettings | None = None) -> Dataset:
+def open_dataset(uri: str, *, storage: StorageSettings | None = None) -> AnyDataset:
     """Open the dataset named by ``uri``; ``storage`` supplies S3 endpoint and keys.
 
     Raises DatasetError (unknown scheme, bad parameters, missing or corrupt
     files, empty dataset) or DatasetUnavailable (retriable storage failure).
-    Opening is cheap (for npz: the manifest and the first shard); reads validate
-    what they load.
+    Opening is cheap (for npz: the manifest and the first shard; for image files: a listing,
+    a manifest or the files' footers); reads validate what they load.
     """
     scheme, _ = split_uri(uri)
     opener = _OPENERS.get(scheme)
@@ -85,3 +121,20 @@ def open_dataset(uri: str, *, storage: StorageSettings | None = None) -> Dataset
             f"unknown dataset scheme {scheme!r} in {uri!r} (known: {', '.join(known_schemes())})"
         )
     return opener(uri, storage)
+
+
+def open_array_dataset(uri: str, *, storage: StorageSettings | None = None) -> Dataset:
+    """``open_dataset`` for callers that need uint8 arrays of one shape (``Dataset.read``);
+    DatasetError for image files, which only the preprocessors decode and resize."""
+    dataset = open_dataset(uri, storage=storage)
+    if not isinstance(dataset, Dataset):
+        raise DatasetError(f"{uri}: images of any size are decoded by the preprocessors only")
+    return dataset
+
+
+def open_tokens(uri: str, *, storage: StorageSettings | None = None) -> TokenDataset:
+    """Open ``tokens://<file>?dtype=..&block_size=..``; DatasetError as ``open_dataset``."""
+    scheme, _ = split_uri(uri)
+    if scheme != "tokens":
+        raise DatasetError(f"{uri}: not a tokens:// uri")
+    return TokenDataset(uri, storage=storage)

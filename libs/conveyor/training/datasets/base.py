@@ -1,9 +1,16 @@
-"""The dataset contract every source implements, its error type and shared helpers.
+"""The dataset contracts every source implements, their error type and shared helpers.
 
-A dataset is a fixed, indexable set of labelled images: global sample ids run
-from 0 to ``num_samples - 1`` and ``read(ids)`` returns uint8 images ``[N,C,H,W]``
-and int64 labels ``[N]`` in the order asked. Normalisation never happens here:
-images stay uint8 until they reach the trainer's device.
+Two kinds of datasets, both fixed, indexable sets of labelled images whose global sample ids
+run from 0 to ``num_samples - 1``:
+
+- :class:`Dataset` (arrays: builtin, synthetic, npz, idx): every image has the same shape and
+  ``read(ids)`` returns uint8 images ``[N,C,H,W]`` and int64 labels ``[N]`` in the order asked;
+- :class:`EncodedDataset` (image files: imagefolder, webdataset, parquet): images are encoded
+  (JPEG, PNG) and of any size; ``read_encoded(ids)`` returns their bytes and labels, and the
+  samples that fail validation as :class:`BadSample` (skipped and counted, not raised).
+  Decoding and bringing them to the job's fixed shape is the preprocessors' work.
+
+Normalisation never happens here: images stay uint8 until they reach the trainer's device.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import parse_qsl
 
@@ -95,6 +103,126 @@ class Dataset(ABC):
             f"{type(self).__name__}(uri={self.uri!r}, num_samples={self.num_samples}, "
             f"sample_shape={self.sample_shape}, num_classes={self.num_classes})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedSample:
+    """One encoded image and its label, as stored."""
+
+    sample_id: int
+    """Global sample id."""
+    label: int
+    """Class id in ``[0, num_classes)``."""
+    data: bytes
+    """The image file's bytes (JPEG or PNG)."""
+    source: str
+    """Where it was read from, for messages (``file:///d/cat/1.jpg``, ``s3://b/p/0.tar:k.jpg``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BadSample:
+    """A sample that failed validation and is skipped; ``str()`` gives ``source: reason``."""
+
+    sample_id: int
+    """Global sample id."""
+    source: str
+    """The file (and member or row) it came from."""
+    reason: str
+    """What is wrong with it (corrupt image, bad tar member, wrong column type...)."""
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.reason}"
+
+
+class EncodedDataset(ABC):
+    """A readable, thread-safe dataset of labelled encoded images of any size.
+
+    Attributes are fixed at open time: ``uri``, ``num_samples`` and ``num_classes``. Opening
+    lists and counts; it reads no image.
+    """
+
+    def __init__(self, *, uri: str, num_samples: int, num_classes: int) -> None:
+        if num_samples <= 0:
+            raise DatasetError(f"{uri}: dataset is empty")
+        if num_classes <= 0:
+            raise DatasetError(f"{uri}: num_classes must be positive, got {num_classes}")
+        self.uri = uri
+        self.num_samples = num_samples
+        self.num_classes = num_classes
+
+    def read_encoded(
+        self, sample_ids: Sequence[int] | NDArray[np.integer]
+    ) -> tuple[list[EncodedSample], list[BadSample]]:
+        """The samples of ``sample_ids`` that are readable, in the order asked, and those that
+        are not (a missing label, a bad tar member, a label out of range...), each once.
+
+        Raises ``DatasetError`` for an id outside ``[0, num_samples)`` or a failure that is
+        not one sample's (an unreadable shard or file footer), ``DatasetUnavailable`` when
+        storage fails transiently. Safe to call from several threads.
+        """
+        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)  # [N]
+        if ids.size == 0:
+            return [], []
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.num_samples:
+            bad = low if low < 0 else high
+            raise DatasetError(f"{self.uri}: sample id {bad} out of range [0, {self.num_samples})")
+        good, bad_samples = self._read_encoded(ids)
+        kept: list[EncodedSample] = []
+        for sample in good:
+            if 0 <= sample.label < self.num_classes:
+                kept.append(sample)
+            else:
+                bad_samples.append(
+                    BadSample(
+                        sample_id=sample.sample_id,
+                        source=sample.source,
+                        reason=f"label {sample.label} out of range [0, {self.num_classes})",
+                    )
+                )
+        return kept, bad_samples
+
+    @abstractmethod
+    def _read_encoded(self, ids: NDArray[np.int64]) -> tuple[list[EncodedSample], list[BadSample]]:
+        """Read valid, non-empty ids ``[N]`` in order; the caller checks id ranges and labels."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(uri={self.uri!r}, num_samples={self.num_samples}, "
+            f"num_classes={self.num_classes})"
+        )
+
+
+AnyDataset = Dataset | EncodedDataset
+"""What ``open_dataset`` returns."""
+
+DEFAULT_CHANNELS = 3
+"""Channels encoded images are decoded to unless the job says otherwise (RGB)."""
+
+
+def output_shape(
+    dataset: AnyDataset, *, image_size: Sequence[int] | None, channels: int | None
+) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the samples a job's batches carry: ``image_size`` (H, W) when given,
+    else an array dataset's own; ``channels`` for encoded images (default 3), an array
+    dataset's own otherwise. DatasetError for encoded images without ``image_size`` (they have
+    no common size) and for ``channels`` other than an array dataset's."""
+    if isinstance(dataset, EncodedDataset):
+        if image_size is None:
+            raise DatasetError(
+                f"{dataset.uri}: images of any size need preprocess.image_size [H, W], the "
+                f"shape the preprocessors bring them to"
+            )
+        return (channels or DEFAULT_CHANNELS, int(image_size[0]), int(image_size[1]))
+    c, h, w = dataset.sample_shape
+    if channels is not None and channels != c:
+        raise DatasetError(
+            f"{dataset.uri}: preprocess.channels={channels} but the dataset's images have {c}; "
+            f"channels converts decoded image files only"
+        )
+    if image_size is None:
+        return (c, h, w)
+    return (c, int(image_size[0]), int(image_size[1]))
 
 
 def split_uri(uri: str) -> tuple[str, str]:

@@ -6,7 +6,7 @@ import asyncio
 from collections import OrderedDict
 
 from conveyor.platform.config import StorageSettings
-from conveyor.training.datasets import Dataset, DatasetError, DatasetUnavailable, open_dataset
+from conveyor.training.datasets import AnyDataset, DatasetError, DatasetUnavailable, open_dataset
 from conveyor.training.locations import LocationRefused, check_dataset_uri
 
 
@@ -25,13 +25,13 @@ class DatasetCache:
         self._storage = storage
         self._size = size
         self._open_timeout_s = open_timeout_s
-        self._datasets: OrderedDict[str, Dataset] = OrderedDict()
+        self._datasets: OrderedDict[str, AnyDataset] = OrderedDict()
         self._lock = asyncio.Lock()
 
     def __len__(self) -> int:
         return len(self._datasets)
 
-    async def get(self, uri: str) -> Dataset:
+    async def get(self, uri: str) -> AnyDataset:
         """The dataset at ``uri``, opened once and cached."""
         async with self._lock:
             dataset = self._datasets.get(uri)
@@ -51,7 +51,7 @@ class DatasetCache:
             self._datasets.move_to_end(uri)
             return dataset
 
-    def _open(self, uri: str) -> Dataset:
+    def _open(self, uri: str) -> AnyDataset:
         try:
             check_dataset_uri(uri, self._storage)
         except LocationRefused as exc:

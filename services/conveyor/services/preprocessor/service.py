@@ -11,7 +11,10 @@ Per task, inside a CONSUMER span ``process <shards topic>`` that continues the t
    with a ``routing`` sends each batch to the partition it picks for the batch id
    (:func:`~conveyor.training.routing.choose_partition`: stable, so a redone task routes alike),
    one without to the partition of the key's hash;
-4. only then does ``Consumer.run`` ack the task. A process killed before that leaves the task
+4. samples left out as bad (corrupt image, bad tar member...) are reported in one
+   ``SamplesSkipped`` event on the jobs topic (the sharder fails the job past
+   ``dataset.max_bad_samples``);
+5. only then does ``Consumer.run`` ack the task. A process killed before that leaves the task
    uncommitted: the group redelivers it and the same batch ids are produced again.
 
 A task that cannot be processed (dataset unreadable or corrupt, bad augmentation spec, a
@@ -43,13 +46,19 @@ from conveyor.platform.bus import (
     wait_for_topics,
 )
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import Batch, JobFailed, ShardTask, Topics
+from conveyor.platform.messages import Batch, JobFailed, SamplesSkipped, ShardTask, Topics
+from conveyor.platform.messages.job_events import MAX_SKIPPED_REASONS
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge, histogram
 from conveyor.services.preprocessor.busy_meter import BusyMeter
 from conveyor.services.preprocessor.config import PreprocessorSettings
 from conveyor.services.preprocessor.dataset_cache import DatasetCache
-from conveyor.services.preprocessor.work import augmenter_for, make_batches, read_shard
+from conveyor.services.preprocessor.work import (
+    ShardOutput,
+    augmenter_for,
+    make_batches,
+    read_shard,
+)
 from conveyor.training.datasets import DatasetError
 from conveyor.training.routing import choose_partition
 
@@ -91,6 +100,9 @@ class PreprocessorService(Service):
         self._failed_jobs: OrderedDict[str, None] = OrderedDict()
         self._batches = counter("preprocessor", "batches_total", "Batches produced (acked).")
         self._samples = counter("preprocessor", "samples_total", "Samples in produced batches.")
+        self._skipped = counter(
+            "preprocessor", "samples_skipped_total", "Samples left out of batches as bad."
+        )
         self._dropped = counter(
             "preprocessor", "tasks_dropped_total", "Shard tasks of ended or failed jobs, skipped."
         )
@@ -160,10 +172,11 @@ class PreprocessorService(Service):
             self._drop(task, f"{topic} does not exist (the job ended)")
             return
         try:
-            batches = await self._work(task)
+            output = await self._work(task)
         except (DatasetError, ValueError) as exc:
             await self._fail_job(task, f"shard {task.shard_id}: {exc}")
             return
+        batches = output.batches
         try:
             sent = await self._send(topic, batches, task.routing)
         except RecordTooLarge as exc:
@@ -172,11 +185,13 @@ class PreprocessorService(Service):
         if not sent:
             self._drop(task, f"{topic} was deleted while sending (the job ended)")
             return
+        if output.bad:
+            await self._report_skipped(task, output)
         self._batches.inc(len(batches))
         self._samples.inc(len(task.sample_ids))
         self._shard_seconds.observe(time.perf_counter() - started_s)
 
-    async def _work(self, task: ShardTask) -> list[Batch]:
+    async def _work(self, task: ShardTask) -> ShardOutput:
         """Read, augment and collate in worker threads; retries a retriable DatasetError."""
         augmenter = augmenter_for(task.preprocess)
         attempt = 1
@@ -194,6 +209,19 @@ class PreprocessorService(Service):
                 logger.warning("shard %s: %s; retry in %.1fs", task.shard_id, exc, backoff_s)
                 await asyncio.sleep(backoff_s)
                 attempt += 1
+
+    async def _report_skipped(self, task: ShardTask, output: ShardOutput) -> None:
+        assert self._producer is not None
+        self._skipped.inc(len(output.bad))
+        logger.warning("shard %s: %d bad sample(s) skipped, first: %s",
+                       task.shard_id, len(output.bad), output.bad[0])  # fmt: skip
+        event = SamplesSkipped(
+            job_id=task.job_id,
+            shard_id=task.shard_id,
+            sample_ids=[bad.sample_id for bad in output.bad],
+            reasons=[str(bad) for bad in output.bad[:MAX_SKIPPED_REASONS]],
+        )
+        await self._producer.publish(self.topics.jobs, event, key=task.job_id)
 
     async def _in_thread(self, function: Callable[..., _T], *args: object) -> _T:
         with self.busy.busy():

@@ -1,11 +1,18 @@
 """The preprocessor's CPU work, pure and synchronous: shard task -> ready :class:`Batch` messages.
 
-``read_shard`` reads the task's samples (one ``Dataset.read`` for the whole shard),
-``make_batches`` augments them (randomness keyed by job seed, epoch and sample id) and cuts
-them into micro-batches of ``micro_batch_size`` rows in the task's order. The batch at position
-``k`` of shard ``s`` is ``batch_id_for(s, k)``; the same task always yields the same ids,
-samples, pixels and labels, whichever process runs it and however often. Callers run these
-functions in a worker thread (they take milliseconds to seconds).
+``read_shard`` reads the task's samples (one ``Dataset.read`` for the whole shard, or one
+``EncodedDataset.read_encoded`` for image files), ``make_batches`` decodes image files (to the
+job's ``preprocess.channels``), augments and sizes the images (randomness keyed by job seed,
+epoch and sample id; evaluation shards get the deterministic ops only, see ``augment.py``) and
+cuts them into micro-batches of ``micro_batch_size`` positions of the task's order. The batch
+at position ``k`` of shard ``s`` is ``batch_id_for(s, k)``; the same task always yields the
+same ids, samples, pixels and labels, whichever process runs it and however often.
+
+A sample that fails validation (the reader's :class:`BadSample`, or an image that does not
+decode) is left out of its batch and reported in :attr:`ShardOutput.bad`; the service counts
+them against the job's ``dataset.max_bad_samples``. A micro-batch left with no sample fails
+the shard (DatasetError): a batch carries at least one sample. Callers run these functions in
+a worker thread (they take milliseconds to seconds).
 """
 
 from __future__ import annotations
@@ -17,22 +24,47 @@ from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from conveyor.platform.messages import Batch, ShardTask, batch_id_for
 from conveyor.services.preprocessor.augment import Augmenter, build_augmenter
-from conveyor.training.datasets import Dataset, DatasetError, ImageBatch, LabelBatch
+from conveyor.training.datasets import (
+    AnyDataset,
+    BadImage,
+    BadSample,
+    Dataset,
+    DatasetError,
+    EncodedSample,
+    ImageBatch,
+    LabelBatch,
+    decode_image,
+)
+from conveyor.training.datasets.base import DEFAULT_CHANNELS
 
 
 @dataclass(frozen=True, slots=True)
 class ShardSamples:
-    """What :func:`read_shard` read, with when (unix seconds)."""
+    """What :func:`read_shard` read, with when (unix seconds): arrays, or encoded images."""
 
-    x: ImageBatch
-    """uint8 [N, C, H, W] in the task's sample order."""
+    x: ImageBatch | list[EncodedSample]
+    """uint8 [N, C, H, W] in the task's sample order, or the readable encoded samples in that
+    order (the bad ones left out)."""
     y: LabelBatch
-    """int64 [N]."""
+    """int64 [N], the labels of ``x``."""
     read_start: float
     read_end: float
+    bad: list[BadSample]
+    """Samples the reader found bad."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOutput:
+    """What :func:`make_batches` made of a shard."""
+
+    batches: list[Batch]
+    """The task's batches in order (ids as :func:`batch_ids`)."""
+    bad: list[BadSample]
+    """Samples left out (read or decode failures), by sample id."""
 
 
 def augmenter_for(preprocess: Mapping[str, Any]) -> Augmenter:
@@ -40,7 +72,7 @@ def augmenter_for(preprocess: Mapping[str, Any]) -> Augmenter:
     specs = preprocess.get("augment") or []
     if not isinstance(specs, list) or not all(isinstance(spec, dict) for spec in specs):
         raise ValueError(f"preprocess.augment must be a list of mappings, got {specs!r}")
-    return build_augmenter(specs)
+    return build_augmenter(specs, image_size=preprocess.get("image_size"))
 
 
 def batch_ids(task: ShardTask) -> list[str]:
@@ -49,46 +81,91 @@ def batch_ids(task: ShardTask) -> list[str]:
     return [batch_id_for(task.shard_id, k) for k in range(count)]
 
 
-def read_shard(dataset: Dataset, task: ShardTask) -> ShardSamples:
+def read_shard(dataset: AnyDataset, task: ShardTask) -> ShardSamples:
     """Read the task's samples. DatasetError when the task has none or the dataset fails."""
     if not task.sample_ids:
         raise DatasetError(f"shard {task.shard_id} has no samples")
     read_start = time.time()
-    x, y = dataset.read(task.sample_ids)  # [N,C,H,W] uint8, [N] int64
-    return ShardSamples(x=x, y=y, read_start=read_start, read_end=time.time())
+    if isinstance(dataset, Dataset):
+        x, y = dataset.read(task.sample_ids)  # [N,C,H,W] uint8, [N] int64
+        return ShardSamples(x=x, y=y, read_start=read_start, read_end=time.time(), bad=[])
+    encoded, bad = dataset.read_encoded(task.sample_ids)
+    labels = np.array([sample.label for sample in encoded], dtype=np.int64)  # [N']
+    return ShardSamples(x=encoded, y=labels, read_start=read_start, read_end=time.time(), bad=bad)
 
 
-def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -> list[Batch]:
-    """Augment and collate ``samples`` into the task's batches (timestamps: released,
-    read_start, read_end, augment_end; the sender adds ``sent``)."""
-    x = augmenter.apply(samples.x, task.sample_ids, seed=task.seed, epoch=task.epoch)
+def _decode(
+    encoded: list[EncodedSample], channels: int
+) -> tuple[list[NDArray[np.uint8]], list[int], list[BadSample]]:
+    """Decode each sample; returns the images, their positions in ``encoded`` and the bad."""
+    images, kept, bad = [], [], []
+    for position, sample in enumerate(encoded):
+        try:
+            images.append(decode_image(sample.data, channels=channels))  # [C,h,w]
+        except BadImage as exc:
+            bad.append(BadSample(sample_id=sample.sample_id, source=sample.source, reason=str(exc)))
+            continue
+        kept.append(position)
+    return images, kept, bad
+
+
+def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -> ShardOutput:
+    """Decode, augment and collate ``samples`` into the task's batches (timestamps: released,
+    read_start, read_end, augment_end; the sender adds ``sent``). DatasetError when a
+    micro-batch has no sample left."""
+    if task.split == "eval":
+        augmenter = augmenter.for_eval()
+    bad = list(samples.bad)
+    if isinstance(samples.x, np.ndarray):
+        ids = list(task.sample_ids)
+        x = augmenter.apply(samples.x, ids, seed=task.seed, epoch=task.epoch)  # [N,C,H,W]
+        y = np.array(samples.y, dtype=np.int64)  # [N], a private copy
+    else:
+        channels = int(task.preprocess.get("channels") or DEFAULT_CHANNELS)
+        images, kept, decode_bad = _decode(samples.x, channels)
+        bad.extend(decode_bad)
+        ids = [samples.x[position].sample_id for position in kept]
+        x = augmenter.apply(images, ids, seed=task.seed, epoch=task.epoch)  # [N',C,H,W]
+        y = np.array(samples.y[kept], dtype=np.int64)  # [N']
     # Batches become views of one array; torch wants it contiguous and writable.
     if not (x.flags.c_contiguous and x.flags.writeable):
         x = np.array(x, order="C")  # [N,C,H,W]
-    y = np.array(samples.y, dtype=np.int64)  # [N], a private copy
     augment_end = time.time()
     timestamps = {"read_start": samples.read_start, "read_end": samples.read_end}
     if task.released_at > 0:
         timestamps["released"] = task.released_at
     timestamps["augment_end"] = augment_end
-    size = task.micro_batch_size
+    bad.sort(key=lambda b: b.sample_id)
     x_all, y_all = torch.from_numpy(x), torch.from_numpy(y)
-    return [
-        Batch(
-            job_id=task.job_id,
-            batch_id=batch_id,
-            shard_id=task.shard_id,
-            epoch=task.epoch,
-            split=task.split,
-            sample_ids=task.sample_ids[k * size : (k + 1) * size],
-            x=x_all[k * size : (k + 1) * size],  # [B,C,H,W] uint8
-            y=y_all[k * size : (k + 1) * size],  # [B] int64
-            timestamps=dict(timestamps),
+    # Row r of x holds sample ids[r]; batch k takes the rows of its positions' samples.
+    size = task.micro_batch_size
+    position_of = {sample_id: p for p, sample_id in enumerate(task.sample_ids)}
+    batch_of_row = np.array([position_of[i] // size for i in ids], dtype=np.int64)  # [N']
+    bounds = np.searchsorted(batch_of_row, np.arange(len(batch_ids(task)) + 1))
+    batches = []
+    for k, batch_id in enumerate(batch_ids(task)):
+        start, end = int(bounds[k]), int(bounds[k + 1])
+        if start == end:
+            raise DatasetError(
+                f"shard {task.shard_id}: every sample of micro-batch {k} is bad "
+                f"({'; '.join(str(b) for b in bad[:3])})"
+            )
+        batches.append(
+            Batch(
+                job_id=task.job_id,
+                batch_id=batch_id,
+                shard_id=task.shard_id,
+                epoch=task.epoch,
+                split=task.split,
+                sample_ids=ids[start:end],
+                x=x_all[start:end],  # [B,C,H,W] uint8
+                y=y_all[start:end],  # [B] int64
+                timestamps=dict(timestamps),
+            )
         )
-        for k, batch_id in enumerate(batch_ids(task))
-    ]
+    return ShardOutput(batches=batches, bad=bad)
 
 
-def process_shard(dataset: Dataset, task: ShardTask, augmenter: Augmenter) -> list[Batch]:
+def process_shard(dataset: AnyDataset, task: ShardTask, augmenter: Augmenter) -> ShardOutput:
     """:func:`read_shard` then :func:`make_batches`."""
     return make_batches(task, read_shard(dataset, task), augmenter)

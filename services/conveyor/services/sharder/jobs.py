@@ -23,6 +23,7 @@ from conveyor.platform.messages import (
     JobEvent,
     JobPlanned,
     JobSubmitted,
+    SamplesSkipped,
     Topics,
 )
 from conveyor.services.sharder.flow import FlowControl
@@ -30,6 +31,9 @@ from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
 
 logger = logging.getLogger(__name__)
+
+_KEPT_REASONS = 5
+"""Reasons of skipped samples a job's failure message quotes."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -58,6 +62,21 @@ class JobRecord:
     flow: FlowControl | None = None
     plan_span: SpanContext | None = field(default=None)
     """The ``plan job`` span, linked from every ``release shard`` span."""
+    skipped: set[int] = field(default_factory=set)
+    """Distinct sample ids the preprocessors skipped as bad (``SamplesSkipped`` events)."""
+    skipped_reasons: list[str] = field(default_factory=list)
+    """The first few of their reasons (``<file>: <reason>``)."""
+
+    def too_many_bad_samples(self) -> str | None:
+        """Why the job must fail when more distinct samples were skipped than the spec's
+        ``dataset.max_bad_samples`` allows; None otherwise."""
+        if self.spec is None or len(self.skipped) <= self.spec.dataset.max_bad_samples:
+            return None
+        return (
+            f"{len(self.skipped)} samples failed validation, more than "
+            f"dataset.max_bad_samples={self.spec.dataset.max_bad_samples}: "
+            + "; ".join(self.skipped_reasons)
+        )
 
     @property
     def source(self) -> tuple[str, int]:
@@ -115,6 +134,10 @@ class JobTable:
                 # the log; a report without routing (no trainer known) clears the weights.
                 job.consumed = event.consumed_batches
                 job.routing = list(event.routing)
+            case SamplesSkipped():
+                job.skipped.update(event.sample_ids)
+                room = _KEPT_REASONS - len(job.skipped_reasons)
+                job.skipped_reasons.extend(event.reasons[: max(0, room)])
             case CancelRequested():
                 job.cancel_requested = True
             case _ if isinstance(event, TERMINAL_EVENTS):

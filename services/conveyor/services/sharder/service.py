@@ -64,7 +64,7 @@ from conveyor.platform.telemetry import counter, gauge
 from conveyor.services.sharder.config import SharderSettings
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.services.sharder.jobs import JobRecord, JobTable
-from conveyor.training.datasets import Dataset, DatasetError, open_dataset
+from conveyor.training.datasets import AnyDataset, DatasetError, open_dataset, output_shape
 from conveyor.training.locations import refused_locations
 from conveyor.training.plan import JobPlan
 from conveyor.training.slicing import build_job_model
@@ -193,6 +193,8 @@ class SharderService(Service):
             elif job.cancel_requested:
                 cancelled = JobCancelled(job_id=job.job_id, reason="cancel requested")
                 await self._publish_outcome(job, cancelled)
+            elif (too_many := job.too_many_bad_samples()) is not None:
+                await self._publish_outcome(job, JobFailed(job_id=job.job_id, reason=too_many))
             else:
                 if job.plan is None:
                     await self._plan(job)
@@ -221,10 +223,10 @@ class SharderService(Service):
                 return
             if made is None:
                 return  # storage unavailable: try again on the next pass
-            plan, dataset = made
+            plan, shape, dataset = made
             await self._create_job_topics(job)
             if not job.planned_seen:
-                await self._publish(self._planned(job, plan, dataset))
+                await self._publish(self._planned(job, plan, shape, dataset))
             assert job.spec is not None
             job.plan = plan
             job.flow = FlowControl(plan, max_lead_batches=job.spec.flow.max_lead_batches)
@@ -233,7 +235,9 @@ class SharderService(Service):
                 job.job_id, plan.num_train, plan.num_eval, plan.num_tasks,
             )  # fmt: skip
 
-    async def _make_plan(self, job: JobRecord) -> tuple[JobPlan, Dataset] | None:
+    async def _make_plan(
+        self, job: JobRecord
+    ) -> tuple[JobPlan, tuple[int, int, int], AnyDataset] | None:
         """The plan and the opened dataset; None to retry later; _PlanFailed otherwise."""
         if job.spec is None:
             raise _PlanFailed(job.spec_error or "invalid job spec")
@@ -264,31 +268,35 @@ class SharderService(Service):
             logger.exception("job %s: opening dataset %s failed", job.job_id, uri)
             raise _PlanFailed(f"cannot read dataset {uri}: {type(exc).__name__}: {exc}") from exc
         self._dataset_attempts.pop(job.job_id, None)
+        preprocess = job.spec.preprocess
         try:
             plan = JobPlan.from_spec(job.job_id, job.spec, dataset.num_samples)
-        except ValueError as exc:
+            # The shape the batches carry: the preprocessors decode and size images to it.
+            shape = output_shape(
+                dataset, image_size=preprocess.image_size, channels=preprocess.channels
+            )
+        except (ValueError, DatasetError) as exc:
             raise _PlanFailed(f"cannot plan dataset {uri}: {exc}") from exc
         try:
             # Shapes only (meta device): an unknown option or a model with buffers, which the
             # aggregator cannot aggregate, fails the job now rather than at training time.
             build_job_model(
-                job.spec,
-                num_classes=dataset.num_classes,
-                sample_shape=dataset.sample_shape,
-                device="meta",
+                job.spec, num_classes=dataset.num_classes, sample_shape=shape, device="meta"
             )
         except (ValueError, RuntimeError) as exc:
             raise _PlanFailed(f"cannot train model {job.spec.model.name!r}: {exc}") from exc
-        return plan, dataset
+        return plan, shape, dataset
 
-    def _planned(self, job: JobRecord, plan: JobPlan, dataset: Dataset) -> JobPlanned:
+    def _planned(
+        self, job: JobRecord, plan: JobPlan, shape: tuple[int, int, int], dataset: AnyDataset
+    ) -> JobPlanned:
         assert job.spec is not None
         return JobPlanned(
             job_id=job.job_id,
             num_train=plan.num_train,
             num_eval=plan.num_eval,
             num_classes=dataset.num_classes,
-            sample_shape=list(dataset.sample_shape),
+            sample_shape=list(shape),
             train_batches_per_epoch=plan.train_batches_per_epoch,
             eval_batches_per_epoch=plan.eval_batches_per_epoch,
             steps_per_epoch=plan.steps_per_epoch(job.spec.micro_batches_per_step),
