@@ -69,6 +69,12 @@ class GatewayUser(HttpUser):
         self.samples = int(os.environ.get("CONVEYOR_LOCUST_SAMPLES", "64"))
         self.follow_s = float(os.environ.get("CONVEYOR_LOCUST_FOLLOW_S", "1"))
         self.jobs: deque[str] = deque(maxlen=JOBS_KEPT)
+        # A first visit goes through every request once (submit a job, look at the list and
+        # at it, watch it, check its stages, change one's mind and cancel it); the weighted
+        # mix follows. So even a short run sends every kind of request.
+        for visit in (self.submit, self.list_jobs, self.get_job, self.follow_events,
+                      self.stages, self.cancel):  # fmt: skip
+            visit()
 
     def _some_job(self) -> str | None:
         return random.choice(self.jobs) if self.jobs else None

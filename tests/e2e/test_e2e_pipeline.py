@@ -136,8 +136,8 @@ def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack, tmp_pa
     )
     listed_jobs = conveyor("jobs", *cli, "--json", env=stack.env)
     assert listed_jobs.returncode == 0, listed_jobs.stderr
-    states = {j["id"]: j["state"] for j in json.loads(listed_jobs.stdout)["jobs"]}
-    assert states[job_id] == "completed"
+    job_states = {j["id"]: j["state"] for j in json.loads(listed_jobs.stdout)["jobs"]}
+    assert job_states[job_id] == "completed"
     pulled = conveyor("model", "pull", job_id, str(tmp_path / "model"), *cli, env=stack.env)
     assert pulled.returncode == 0, pulled.stderr
     model = load_model(tmp_path / "model")
