@@ -234,6 +234,12 @@ class IoRuns:
         default_factory=lambda: {"save": [], "raw_put": [], "restore": [], "raw_get": []}
     )
 
+    commit_s: list[float] = field(default_factory=list)
+    """Of each save, the commit."""
+    encode_s: list[float] = field(default_factory=list)
+    """encode_slice of every state, timed apart (the copy into the files' buffers that each
+    write_slice makes before its put)."""
+
     def mb_per_s(self, operation: str) -> list[float]:
         return [self.total_bytes / s / 1e6 for s in self.seconds[operation] if s > 0]
 
@@ -247,6 +253,7 @@ class IoRound:
     job_id: str
     states: list[SliceState]
     raw: list[bytes]
+    commit_s: float = 0.0
 
     @property
     def raw_keys(self) -> list[str]:
@@ -255,7 +262,9 @@ class IoRound:
     def save(self) -> None:
         checkpoints = CheckpointStore(self.store, self.job_id)
         files = [checkpoints.write_slice(state) for state in self.states]
+        started = time.perf_counter()
         checkpoints.commit(manifest_for(self.job_id, self.states[0].version, files))
+        self.commit_s = time.perf_counter() - started
 
     def raw_put(self) -> None:
         for key, data in zip(self.raw_keys, self.raw, strict=True):
@@ -294,7 +303,12 @@ def measure_io(store: ObjectStore, states: list[SliceState], repeats: int, runs:
                 started = time.perf_counter()
                 action()
                 runs.seconds[name].append(time.perf_counter() - started)
+        runs.commit_s.append(io.commit_s)
         io.clear()
+        started = time.perf_counter()
+        encoded = [encode_slice(io.job_id, state) for state in states]
+        runs.encode_s.append(time.perf_counter() - started)
+        del encoded
 
 
 @contextlib.contextmanager
@@ -460,6 +474,9 @@ def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
         "samples_per_second": window.samples_per_second if window else None,
         "window_s": window.seconds if window else None,
         "window_steps": (window.last_step - window.first_step) if window else 0,
+        "samples_per_step": (
+            window.samples / (window.last_step - window.first_step) if window else None
+        ),
         "checkpoints_in_window": len(triggers),
         "every_steps_in_window": len(every_steps),
         "stall_s": median(stalls),
@@ -570,6 +587,8 @@ def report_case(
                   *both("job_samples_per_second", ".1f"), _percent_spread(job_lost))  # fmt: skip
     table.add_row("window: seconds", *both("window_s", ".1f"), "")
     table.add_row("window: steps", *both("window_steps", ".0f"), "")
+    table.add_row("window: samples per step (partial steps lower it)",
+                  *both("samples_per_step", ".1f"), "")  # fmt: skip
     table.add_row("checkpoints in the window (all triggers)",
                   *both("checkpoints_in_window", ".0f"), "")  # fmt: skip
     table.add_row("  of which every_steps", *both("every_steps_in_window", ".0f"), "")
@@ -614,7 +633,8 @@ def report_io(args: argparse.Namespace, io: Mapping[str, IoRuns], out: Console) 
         f"medians of {args.io_repeats} repeat(s)"
     )
     columns = ("store", "save (write_slice + commit)", "raw put", "save / raw put",
-               "restore (latest_good)", "raw get", "restore / raw get")  # fmt: skip
+               "save: commit, ms", "encode alone, ms", "restore (latest_good)", "raw get",
+               "restore / raw get")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "store" else "right")
     found: dict[str, float | None] = {}
@@ -624,6 +644,8 @@ def report_io(args: argparse.Namespace, io: Mapping[str, IoRuns], out: Console) 
         table.add_row(
             f"{name}://" + (" (moto server, in memory)" if name == "s3" else " (temporary dir)"),
             spread(save, ".0f"), spread(put, ".0f"), spread(ratios(save, put), ".2f"),
+            spread([1000 * t for t in runs.commit_s], ".0f"),
+            spread([1000 * t for t in runs.encode_s], ".0f"),
             spread(restore, ".0f"), spread(get, ".0f"), spread(ratios(restore, get), ".2f"),
         )  # fmt: skip
         prefix = "" if index == 0 else f"{name}_"
@@ -631,6 +653,8 @@ def report_io(args: argparse.Namespace, io: Mapping[str, IoRuns], out: Console) 
         found[f"{prefix}restore_vs_raw_get"] = median(ratios(restore, get))
         for operation in runs.seconds:
             found[f"{prefix}{operation}_mb_per_s"] = median(runs.mb_per_s(operation))
+        found[f"{prefix}commit_ms"] = _scaled(median(runs.commit_s), 1000)
+        found[f"{prefix}encode_ms"] = _scaled(median(runs.encode_s), 1000)
     out.print(table)
     return found
 
@@ -653,7 +677,10 @@ def footer(args: argparse.Namespace, load: list[float]) -> str:
         f"steps within one job (the {STALL_STEPS} steps after each every_steps checkpoint "
         "against the window's median step).\n"
         "Save/restore: in this process, one thread, each repeat times ours and raw once in "
-        "alternating order; raw objects are random bytes of the encoded files' sizes.\n"
+        "alternating order; raw objects are random bytes of the encoded files' sizes. Within "
+        "save: the commit (stat each file, write the manifest and latest.json, each durably); "
+        "encode alone: encode_slice of every state timed apart, the one copy of the state into "
+        "the files' buffers that save makes and raw put does not.\n"
         f"Targets (issue 13): throughput loss <= {TARGET_LOSS:.1%}, save and restore >= "
         f"{TARGET_IO_RATIO:g} of raw."
     )
