@@ -61,9 +61,10 @@ The last line printed is one JSON object:
      "s3_restore_vs_raw_get": ..., ...samples/s, MB/s}
 Targets (issue 13): throughput loss <= 0.035, save and restore >= 0.8 of raw.
 
-    .venv/bin/python -m loadtests.bench_checkpoint              # 3 repeats, ~15 minutes
-    .venv/bin/python -m loadtests.bench_checkpoint --quick      # smoke run, ~1 minute
-    .venv/bin/python -m loadtests.bench_checkpoint --parts io   # save/restore only, ~1 minute
+    .venv/bin/python -m loadtests.bench_checkpoint              # 3 repeats, 14-16 minutes here
+    .venv/bin/python -m loadtests.bench_checkpoint --quick      # smoke run, ~1 minute (20-40 s of
+                                                                # it start the stack)
+    .venv/bin/python -m loadtests.bench_checkpoint --parts io   # save/restore only, under a minute
 """
 
 from __future__ import annotations
