@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 from storage_backends import Backend
 
 from conveyor.training.checkpoint import (
@@ -16,6 +18,8 @@ from conveyor.training.checkpoint import (
     Manifest,
     SliceFile,
     SliceState,
+    decode_slice,
+    encode_slice,
     latest_key,
     manifest_key,
     slice_key,
@@ -169,3 +173,32 @@ def test_retention_keeps_the_newest_and_clears_torn_leftovers(backend: Backend) 
     remaining = {row.version: row.state for row in checkpoints.listing()}
     assert remaining == {6: "incomplete", 5: "committed", 3: "committed"}
     assert not [k for k in backend.store.list(f"checkpoints/{JOB}/") if "/v0000000001/" in k]
+
+
+def test_slice_files_are_plain_safetensors_both_ways() -> None:
+    # encode_slice lays the file out itself (one copy); any safetensors reader loads it, and
+    # files written by safetensors itself (checkpoints of earlier versions) still decode.
+    state = trained_slice(1, 3, adam=True)
+    state.optimizer["flags"] = torch.tensor([True, False, True])  # 1-byte elements after fp32
+    tensors = {"values": state.values, **{f"optimizer.{k}": v for k, v in state.optimizer.items()}}
+    metadata = {"format": "1", "job_id": JOB, "version": "3", "slice_index": "1",
+                "grads_offset": str(state.grads_offset)}  # fmt: skip
+    ours = bytes(encode_slice(JOB, state))
+    loaded = load_tensors(ours)
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+    for data in (ours, save_tensors(tensors, metadata=metadata)):
+        decoded = decode_slice(data)
+        assert (decoded.slice_index, decoded.version, decoded.grads_offset) == (1, 3, 13)
+        assert torch.equal(decoded.values, state.values)
+        assert decoded.optimizer.keys() == state.optimizer.keys()
+        assert all(torch.equal(decoded.optimizer[k], v) for k, v in state.optimizer.items())
+
+
+@pytest.mark.parametrize("cut", [0, 7, 12, -1])
+def test_a_truncated_or_garbled_slice_file_does_not_decode(cut: int) -> None:
+    data = bytes(encode_slice(JOB, trained_slice(0, 2)))
+    with pytest.raises(ValueError, match="not a slice state file"):
+        decode_slice(data[:cut])
+    with pytest.raises(ValueError, match="not a slice state file"):
+        decode_slice(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")  # a header that is not an object

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,23 @@ def test_no_loadtest_edits_sys_path() -> None:
         path.name for path in (ROOT / "loadtests").glob("*.py") if "sys.path" in path.read_text()
     ]
     assert offenders == []
+
+
+def test_the_checkpoint_benchmark_runs_as_a_module_and_prints_its_ratios_last(
+    tmp_path: Path,
+) -> None:
+    # The save/restore part only, on a local directory (no stack, no S3 server): seconds.
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.bench_checkpoint", "--parts", "io", "--stores", "file",
+         "--slices", "2", "--slice-params", "1000", "--io-repeats", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    headline = json.loads(done.stdout.strip().splitlines()[-1])
+    assert headline["save_vs_raw_put"] > 0 and headline["restore_vs_raw_get"] > 0
+    assert headline["checkpoint_throughput_loss"] is None  # the training part did not run
+    assert list(tmp_path.iterdir()) == []  # its store was removed
