@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from model_plugin import PLUGIN_MODEL, write_plugin
 
 from conveyor.training.datasets import open_dataset
 from conveyor.training.models import build_model, list_models, model_options
@@ -112,3 +114,22 @@ def test_small_cnn_learns_digits(one_thread: None) -> None:
     with torch.no_grad():
         accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item()
     assert accuracy > 0.9
+
+
+def test_a_plugin_model_from_an_installed_package_builds_and_validates_its_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(write_plugin(tmp_path)))
+    assert PLUGIN_MODEL in list_models() and "small_cnn" in list_models()
+    assert model_options(PLUGIN_MODEL) == {"hidden": 32}
+    model = build_model(PLUGIN_MODEL, in_channels=1, num_classes=10, image_size=(8, 8), hidden=7)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert sum(p.numel() for p in model.parameters()) == 64 * 7 + 7 + 7 * 10 + 10
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['depth'\]"):
+        build_model(PLUGIN_MODEL, in_channels=1, num_classes=10, image_size=(8, 8), depth=3)
+    with pytest.raises(ValueError, match=r"tiny_plug_broken.*cannot be loaded"):
+        build_model("tiny_plug_broken", in_channels=1, num_classes=10, image_size=(8, 8))
+    with pytest.raises(ValueError, match="returned str, not a Module"):
+        build_model("tiny_plug_bad", in_channels=1, num_classes=10, image_size=(8, 8))
+    with pytest.raises(ValueError, match=rf"unknown model 'nobody_has_it'.*{PLUGIN_MODEL}"):
+        build_model("nobody_has_it", in_channels=1, num_classes=10, image_size=(8, 8))

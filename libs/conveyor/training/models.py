@@ -1,4 +1,4 @@
-"""The model registry: jobs name a model and its options; no user code runs.
+"""The model registry: jobs name a model and its options; a job sends no code.
 
 ``build_model(name, in_channels=, num_classes=, image_size=(H, W), **options)``
 returns a freshly initialised ``nn.Module`` mapping float images ``[N,C,H,W]``
@@ -17,13 +17,22 @@ Models:
   parameters at width 64 and 10 classes. ``norm="batch"`` keeps running
   statistics in buffers (not parameters); ``"group"`` (GroupNorm, 32 groups or fewer)
   has none.
+
+Plug-ins: an installed package registers more builders under the ``conveyor.models``
+entry-point group (``[project.entry-points."conveyor.models"] my_net = "my_pkg:build"``). A
+builder is called like the built-ins, ``build(*, in_channels, num_classes, image_size,
+**options)``, and its named keyword parameters are the options a spec may set. The built-in
+names win over a plug-in of the same name. Every service that builds the job's model (sharder,
+trainers, aggregators) looks it up in its own environment: a model that a process lacks fails
+the job with the reason before training starts.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -193,23 +202,45 @@ _MODELS: dict[str, ModelBuilder] = {"small_cnn": _small_cnn, "mlp": _mlp, "resne
 _FIXED = {"in_channels", "num_classes", "image_size"}
 
 
+ENTRY_POINT_GROUP = "conveyor.models"
+"""Entry-point group under which installed packages register model builders."""
+
+
+def _plugins() -> dict[str, EntryPoint]:
+    """Installed plug-in builders by name (read from the installed packages' metadata on each
+    call: cheap, and a package installed after start is seen)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in _MODELS}
+
+
 def list_models() -> list[str]:
-    """Names accepted by ``build_model``."""
-    return sorted(_MODELS)
+    """Names accepted by ``build_model``: the built-ins and the installed plug-ins."""
+    return sorted({*_MODELS, *_plugins()})
 
 
 def model_options(name: str) -> dict[str, Any]:
     """The options ``name`` accepts with their defaults; ValueError for an unknown model."""
     builder = _get(name)
     params = inspect.signature(builder).parameters.values()
-    return {p.name: p.default for p in params if p.name not in _FIXED}
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name: p.default for p in params if p.name not in _FIXED and p.kind in named}
 
 
 def _get(name: str) -> ModelBuilder:
     builder = _MODELS.get(name)
-    if builder is None:
+    if builder is not None:
+        return builder
+    plugin = _plugins().get(name)
+    if plugin is None:
         raise ValueError(f"unknown model {name!r} (known: {', '.join(list_models())})")
-    return builder
+    try:
+        loaded = plugin.load()
+    except Exception as exc:  # a broken plug-in is a job failure with its reason, not a crash
+        raise ValueError(
+            f"model {name!r}: its plug-in {plugin.value} cannot be loaded: {exc}"
+        ) from exc
+    if not callable(loaded):
+        raise ValueError(f"model {name!r}: the plug-in {plugin.value} is not a callable builder")
+    return cast(ModelBuilder, loaded)
 
 
 def build_model(
@@ -239,9 +270,14 @@ def build_model(
         raise ValueError(
             f"model {name!r}: unknown option(s) {unknown} (accepted: {sorted(accepted)})"
         )
-    return builder(
+    model = builder(
         in_channels=in_channels,
         num_classes=num_classes,
         image_size=(image_size[0], image_size[1]),
         **options,
     )
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model {name!r}: its builder returned {type(model).__name__}, not a Module"
+        )
+    return model
