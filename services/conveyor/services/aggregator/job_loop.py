@@ -21,7 +21,7 @@ after it (:mod:`.restore`).
 Checkpoints: when a StepClose asks for one (``StepClose.checkpoint``), each owner copies its
 slice's state right after applying it (in the step's thread), publishes the ParamSlice as
 usual and writes the copy to the object store in the background (at most
-``max_pending_saves`` writes at once per job), then announces it with a ``SliceSaved``; the
+two writes at once per job: :mod:`.saving`), then announces it with a ``SliceSaved``; the
 checkpointer commits the checkpoint once every slice is announced.
 """
 
@@ -32,7 +32,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -48,14 +47,12 @@ from conveyor.platform.bus import (
 )
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import (
-    CheckpointUnusable,
     GradSlice,
     ParamSlice,
-    SliceSaved,
     StepClose,
     Topics,
 )
-from conveyor.platform.storage import ObjectStore, StorageError
+from conveyor.platform.storage import ObjectStore
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.aggregator.demand import grads_wanted
@@ -64,12 +61,11 @@ from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.params import last_param_slices
 from conveyor.services.aggregator.restore import restore_slice
+from conveyor.services.aggregator.saving import SliceSaver
 from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.checkpoint import (
     CheckpointStore,
-    Skipped,
     SliceState,
-    decode_slice,
     slice_key,
 )
 from conveyor.training.compression import CompressionError
@@ -79,9 +75,6 @@ from conveyor.training.optim import aggregator_optimizer
 logger = logging.getLogger(__name__)
 
 _CONTROL_POLL_S = 0.2
-_MAX_PENDING_SAVES = 2
-"""Slice-state writes in flight per job; a step waits for one to end beyond that (each holds a
-copy of a slice in memory)."""
 _STALL_WARN_S = 5.0
 """A slice whose next StepClose is folded but not applied for this long is logged (with
 what it waits for), again every such period."""
@@ -149,10 +142,15 @@ class JobAggregator:
         self._tracer = trace.get_tracer(__name__)
         self._grads_topic = self.topics.grads(ctx.job_id)
         self._params_topic = self.topics.params(ctx.job_id)
-        self._control_topic = self.topics.control(ctx.job_id)
         self.checkpoints = CheckpointStore(store, ctx.job_id)
-        self._saves: set[asyncio.Task[None]] = set()
-        self._reported_unusable: set[int] = set()
+        self.saver = SliceSaver(
+            self.checkpoints,
+            producer=producer,
+            control_topic=self.topics.control(ctx.job_id),
+            jobs_topic=self.topics.jobs,
+            worker_id=settings.worker_id,
+            metrics=metrics,
+        )
 
     @property
     def coordinating(self) -> bool:
@@ -183,10 +181,7 @@ class JobAggregator:
             finally:
                 await self.leader.stop()
                 self.owners.clear()
-                for task in self._saves:
-                    task.cancel()
-                if self._saves:
-                    await asyncio.wait(self._saves)
+                await self.saver.close()
 
     # -- readers -----------------------------------------------------------------------------
 
@@ -341,7 +336,7 @@ class JobAggregator:
                 checkpoints=self.checkpoints,
                 closes=self._closes_through,
             )
-            await self._report_unusable(restored.skipped, restored.checkpoint_version)
+            await self.saver.report_unusable(restored.skipped, restored.checkpoint_version)
             state = restored.state
             logger.info("job %s: slice %d restored at version %d from %s + %d replayed versions "
                         "(optimizer state %s)", self.ctx.job_id, index, state.version,
@@ -384,72 +379,9 @@ class JobAggregator:
         if owner.slice_index in self.coordinator.saved.get(owner.version, {}):
             return
         key = slice_key(self.ctx.job_id, owner.version, owner.slice_index)
-        try:
-            written = await asyncio.to_thread(self.checkpoints.store.exists, key)
-            if written:
-                state = await asyncio.to_thread(self._read_own_slice, key)
-                await self._announce(
-                    state, await asyncio.to_thread(self.checkpoints.store.info, key)
-                )
-                return
-        except (StorageError, ValueError) as exc:
-            logger.warning("job %s: slice %d v%d: %s; writing it again",
-                           self.ctx.job_id, owner.slice_index, owner.version, exc)  # fmt: skip
-        offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
-        await self._start_save(owner.snapshot(offset))
-
-    def _read_own_slice(self, key: str) -> SliceState:
-        return decode_slice(self.checkpoints.store.get_bytes(key))
-
-    async def _report_unusable(self, skipped: list[Skipped], used: int | None) -> None:
-        for entry in skipped:
-            if entry.version in self._reported_unusable:
-                continue
-            self._reported_unusable.add(entry.version)
-            await self.producer.publish(self.topics.jobs, CheckpointUnusable(
-                job_id=self.ctx.job_id, version=entry.version, reason=entry.reason,
-                used_version=used, worker_id=self.settings.worker_id,
-            ), key=self.ctx.job_id)  # fmt: skip
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    async def _start_save(self, state: SliceState) -> None:
-        while len(self._saves) >= _MAX_PENDING_SAVES:
-            await asyncio.wait(self._saves, return_when=asyncio.FIRST_COMPLETED)
-        task = asyncio.create_task(
-            self._save(state), name=f"save.{self.ctx.job_id}.{state.slice_index}"
-        )
-        self._saves.add(task)
-        task.add_done_callback(self._saves.discard)
-
-    async def _save(self, state: SliceState) -> None:
-        """Write one slice's state and announce it (or announce the failure: the job goes on,
-        and the checkpointer reports that this version cannot be committed)."""
-        started = time.monotonic()
-        try:
-            entry = await asyncio.to_thread(self.checkpoints.write_slice, state)
-        except StorageError as exc:
-            logger.warning("job %s: saving slice %d v%d failed: %s",
-                           self.ctx.job_id, state.slice_index, state.version, exc)  # fmt: skip
-            await self._publish_saved(state, key="", size_bytes=0, sha256="", error=str(exc))
-            return
-        self.metrics.checkpoint_write_seconds.observe(time.monotonic() - started)
-        await self._publish_saved(state, key=entry.key, size_bytes=entry.size_bytes,
-                                  sha256=entry.sha256)  # fmt: skip
-
-    async def _announce(self, state: SliceState, info: Any) -> None:
-        await self._publish_saved(
-            state, key=info.key, size_bytes=info.size_bytes, sha256=info.sha256
-        )
-
-    async def _publish_saved(
-        self, state: SliceState, *, key: str, size_bytes: int, sha256: str, error: str | None = None
-    ) -> None:
-        await self.producer.publish(self._control_topic, SliceSaved(
-            job_id=self.ctx.job_id, version=state.version, slice_index=state.slice_index,
-            key=key, size_bytes=size_bytes, sha256=sha256, grads_offset=state.grads_offset,
-            error=error,
-        ))  # fmt: skip
+        if not await self.saver.announce_written(key):
+            offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
+            await self.saver.start(owner.snapshot(offset))
 
     async def _advance(self, owner: SliceOwner[Received], grads: Consumer) -> None:
         """Apply every StepClose the owner can apply now, in version order."""
@@ -484,7 +416,7 @@ class JobAggregator:
                 await self._publish(owner.slice_index, close.version, values)
             if saved is not None:
                 # After the ParamSlice: a committed checkpoint never runs ahead of the log.
-                await self._start_save(saved)
+                await self.saver.start(saved)
             for received in records:
                 grads.ack(received)
             for received in owner.drop_dead(self.coordinator.staleness_bound):
