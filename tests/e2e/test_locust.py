@@ -49,9 +49,12 @@ def test_a_short_headless_locust_run_has_no_failures(
     assert set(rows) >= EXPECTED_REQUESTS, sorted(rows)
     for name in EXPECTED_REQUESTS:
         assert int(rows[name]["Request Count"]) > 0, name
-    # Every accepted submission is a job the gateway knows.
+    # Every submission Locust saw accepted is a job the gateway knows. A submission still in
+    # flight when Locust stopped its users reached the gateway without being counted by Locust,
+    # so the gateway may know up to one more job per user, never fewer than Locust counted.
     submitted = int(rows["/v1/jobs [submit]"]["Request Count"])
-    assert len({job["id"] for job in listed if job["name"].startswith("locust-")}) == submitted
+    known = len({job["id"] for job in listed if job["name"].startswith("locust-")})
+    assert submitted <= known <= submitted + USERS, (known, submitted)
 
     report = {name: float(row["95%"]) for name, row in sorted(rows.items())}
     report["all"] = float(total["95%"])
