@@ -71,3 +71,21 @@ def test_dead_slices_are_dropped_and_wrong_slices_refused() -> None:
     other.slice_index = 0
     with pytest.raises(ValueError, match="this owner holds slice 1"):
         owner.add(other, "x")
+
+
+def test_statistics_take_the_sample_weighted_mean_instead_of_a_step() -> None:
+    """Elements 2..4 are running statistics: trainers sent them times their sample counts."""
+    momentum = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.1)
+    owner: SliceOwner[str] = SliceOwner(slice_index=1, values=torch.ones(4), version=0,
+                                        optimizer=momentum, statistics=[(2, 4)])  # fmt: skip
+    owner.add(grad_slice("a:0", 0, torch.tensor([1.0, 1.0, 0.5 * 3, 2.0 * 3])), "a")
+    owner.add(grad_slice("b:0", 0, torch.tensor([1.0, 1.0, 1.5 * 1, 6.0 * 1])), "b")
+    owner.apply(close(1, [("a:0", 3), ("b:0", 1)]))
+    # statistics: (0.5 * 3 + 1.5) / 4 = 0.75, (2 * 3 + 6) / 4 = 3; parameters: one SGD step
+    torch.testing.assert_close(owner.values[2:], torch.tensor([0.75, 3.0]))
+    torch.testing.assert_close(owner.values[:2], torch.full((2,), 1 - 0.1 * (0.5 + 0.1)))
+    owner.apply(close(2, [("c:0", 0)]))  # a step without samples keeps them
+    torch.testing.assert_close(owner.values[2:], torch.tensor([0.75, 3.0]))
+    with pytest.raises(ValueError, match="outside a slice"):
+        SliceOwner(slice_index=1, values=torch.ones(4), version=0, optimizer=SGD,
+                   statistics=[(3, 5)])  # fmt: skip

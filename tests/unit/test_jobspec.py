@@ -271,9 +271,17 @@ def test_preprocess_rules(preprocess: dict[str, Any], fragment: str) -> None:
     assert any(fragment in message for message in messages), messages
 
 
-def test_tokens_are_refused_until_a_job_can_train_them() -> None:
-    [(loc, message)] = errors_of(spec_with("dataset.uri", "tokens:///data/owt.bin"))
-    assert loc == ("dataset", "uri") and "readable but not trainable yet" in message
+def test_tokens_train_language_models_only() -> None:
+    tokens = spec_with("dataset.uri", "tokens:///data/owt.bin?vocab_size=256")
+    [(loc, message)] = errors_of(tokens)
+    assert loc == ("dataset",) and "tokens:// datasets train language models (gpt)" in message
+    tokens["model"] = {"name": "gpt", "n_layer": 2}
+    spec = JobSpec.model_validate(tokens)
+    assert spec.language_model and not JobSpec.model_validate(BASE).language_model
+    [(loc, message)] = errors_of(spec_with("model", {"name": "gpt"}))
+    assert loc == ("dataset",) and "reads tokens:// datasets, not builtin://" in message
+    [(loc, message)] = errors_of({**tokens, "preprocess": {"augment": [{"name": "hflip"}]}})
+    assert loc == ("preprocess",) and "leave preprocess out" in message
 
 
 def test_max_bad_samples_range() -> None:

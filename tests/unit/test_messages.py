@@ -43,14 +43,14 @@ def test_schemas_are_registered_with_name_and_version() -> None:
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
     assert versions == {  # ShardTask v2: + routing; Contribution v2: + epoch, sample_ids
-        "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
+        "DeadLetter": 1, "ShardTask": 2, "Batch": 2, "Heartbeat": 2, "JobSubmitted": 1,
         "JobPlanned": 1, "JobFailed": 1, "Contribution": 2,
     }  # fmt: skip
 
 
 def test_batch_field_specs_follow_the_annotations() -> None:
     schema = schema_for("Batch")
-    assert schema is not None and schema.cls is Batch and schema.version == 1
+    assert schema is not None and schema.cls is Batch and schema.version == 2
     specs = {spec.name: spec for spec in schema.fields}
     assert list(specs) == [
         "job_id", "batch_id", "shard_id", "epoch", "split", "sample_ids", "x", "y", "timestamps",
@@ -107,7 +107,7 @@ def test_duplicate_name_is_rejected_and_the_first_class_stays() -> None:
 
     assert registered_messages()[name] is First
     with pytest.raises(ValueError, match="already taken"):
-        message("Batch", version=2)(First)
+        message("Batch", version=3)(First)
 
 
 def test_registration_rejects_bad_classes() -> None:

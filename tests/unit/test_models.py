@@ -55,7 +55,7 @@ def test_resnet18_size_and_norm_options(one_thread: None) -> None:
 
 
 def test_option_defaults_and_effects() -> None:
-    assert list_models() == ["mlp", "resnet18", "small_cnn"]
+    assert list_models() == ["gpt", "mlp", "resnet18", "small_cnn"]
     assert model_options("mlp") == {"hidden_sizes": (256, 128)}
     assert model_options("resnet18") == {"width": 64, "norm": "batch"}
     linear = build_model("mlp", in_channels=1, num_classes=10, image_size=(8, 8), hidden_sizes=[])
@@ -77,7 +77,7 @@ def test_same_seed_same_weights() -> None:
 @pytest.mark.parametrize(
     ("name", "kwargs", "message"),
     [
-        ("vgg", {}, r"unknown model 'vgg' \(known: mlp, resnet18, small_cnn\)"),
+        ("vgg", {}, r"unknown model 'vgg' \(known: gpt, mlp, resnet18, small_cnn\)"),
         ("mlp", {"hidden": [3]}, r"option\(s\) \['hidden'\] \(accepted: \['hidden_sizes'\]"),
         ("mlp", {"hidden_sizes": [0]}, "positive integers"),
         ("small_cnn", {"channels": []}, "non-empty list"),
@@ -133,3 +133,24 @@ def test_a_plugin_model_from_an_installed_package_builds_and_validates_its_optio
         build_model("tiny_plug_bad", in_channels=1, num_classes=10, image_size=(8, 8))
     with pytest.raises(ValueError, match=rf"unknown model 'nobody_has_it'.*{PLUGIN_MODEL}"):
         build_model("nobody_has_it", in_channels=1, num_classes=10, image_size=(8, 8))
+
+
+def test_gpt_is_causal_and_checks_its_shape() -> None:
+    torch.manual_seed(0)
+    gpt = build_model("gpt", in_channels=1, num_classes=50, image_size=(1, 16),
+                      n_layer=2, n_head=2, n_embd=16)  # fmt: skip
+    tokens = torch.randint(0, 50, (3, 16))
+    logits = gpt(tokens)
+    assert logits.shape == (3, 16, 50)
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 50
+    later = gpt(changed)
+    assert torch.equal(later[:, :10], logits[:, :10])  # position t sees nothing after t
+    assert not torch.allclose(later[:, 10:], logits[:, 10:])
+    assert list(gpt.named_buffers()) == []  # the causal mask is not state
+    names = [name for name, _ in gpt.named_parameters()]
+    assert "wte.weight" in names and "head.weight" not in names  # tied, listed once
+    with pytest.raises(ValueError, match="token sequences"):
+        build_model("gpt", in_channels=3, num_classes=10, image_size=(8, 8))
+    with pytest.raises(ValueError, match="multiple of n_head"):
+        build_model("gpt", in_channels=1, num_classes=10, image_size=(1, 8), n_head=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -215,3 +216,19 @@ def test_bad_images_are_left_out_and_reported(tmp_path: Path) -> None:
                        preprocess={"image_size": [8, 8]})  # fmt: skip
     with pytest.raises(DatasetError, match=r"every sample of micro-batch 0 is bad \(.*001\.png"):
         process_shard(dataset, lonely, augmenter_for(lonely.preprocess))
+
+
+def test_token_sequences_become_inputs_and_next_token_targets(tmp_path: Path) -> None:
+    np.arange(100, dtype="<u2").tofile(tmp_path / "t.bin")  # token i at position i
+    uri = f"tokens://{tmp_path}/t.bin?block_size=8&vocab_size=100"
+    task = make_task(dataset_uri=uri, sample_ids=[3, 0, 11, 5, 7], micro_batch_size=2)
+    batches = run(task)
+    assert [b.sample_ids for b in batches] == [[3, 0], [11, 5], [7]]
+    first = batches[0]
+    assert first.x.dtype == torch.int32 and first.y.dtype == torch.int64
+    assert first.x.tolist() == [list(range(24, 32)), list(range(0, 8))]
+    assert first.y.tolist() == [list(range(25, 33)), list(range(1, 9))]
+    decoded = decode(encode(first))  # what the wire carries back
+    assert isinstance(decoded, Batch) and torch.equal(decoded.y, first.y)
+    with pytest.raises(ValueError, match="y must be int64"):
+        dataclasses.replace(first, y=first.y[:, :4])

@@ -1,4 +1,5 @@
-"""The flat parameter layout and its K slices: round trips, balance, version 0."""
+"""The flat parameter layout and its K slices: round trips, balance, version 0, and the
+running statistics (BatchNorm buffers) that travel after the parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.models import build_model
-from conveyor.training.slicing import ParamLayout, build_job_model, check_no_buffers, slice_bounds
+from conveyor.training.slicing import ParamLayout, build_job_model, check_buffers, slice_bounds
 
 SPEC = {
     "name": "s",
@@ -99,14 +100,61 @@ def test_build_job_model_is_seeded_and_leaves_the_rng_alone() -> None:
     assert torch.equal(layout.flatten_params(a), layout.flatten_params(c))
 
 
-def test_build_job_model_checks_dataset_and_buffers() -> None:
+def test_build_job_model_checks_dataset_and_state() -> None:
     spec = JobSpec.from_dict(SPEC)
     with pytest.raises(ValueError, match="num_classes is 10 but the dataset has 3"):
         build_job_model(spec, num_classes=3, sample_shape=(1, 8, 8))
-    resnet = JobSpec.from_dict({**SPEC, "model": {"name": "resnet18", "width": 4}})
-    with pytest.raises(ValueError, match="buffers"):
-        build_job_model(resnet, num_classes=10, sample_shape=(1, 8, 8), device="meta")
+    batch = {**SPEC, "model": {"name": "resnet18", "width": 4}}
+    resnet = build_job_model(JobSpec.from_dict(batch), num_classes=10, sample_shape=(1, 8, 8))
+    assert ParamLayout.from_model(resnet).has_statistics
+    topk = {**batch, "distribution": {"compression": {"kind": "topk", "ratio": 0.1}}}
+    with pytest.raises(ValueError, match="travel with the gradients uncompressed"):
+        build_job_model(JobSpec.from_dict(topk), num_classes=10, sample_shape=(1, 8, 8))
     group = JobSpec.from_dict({**SPEC, "model": {"name": "resnet18", "width": 4, "norm": "group"}})
     model = build_job_model(group, num_classes=10, sample_shape=(1, 8, 8), device="meta")
-    check_no_buffers(model, "resnet18")
-    assert ParamLayout.from_model(model).numel > 0
+    assert not ParamLayout.from_model(model).has_statistics
+
+
+def test_state_the_plane_cannot_carry_is_refused() -> None:
+    spec = JobSpec.from_dict(SPEC)
+    cumulative = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2, momentum=None))
+    with pytest.raises(ValueError, match="momentum=None"):
+        check_buffers(cumulative, "net", spec)
+    counter = nn.Linear(2, 2)
+    counter.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+    with pytest.raises(ValueError, match="integer state in buffer 'calls'"):
+        check_buffers(counter, "net", spec)
+    check_buffers(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), "net", spec)
+
+
+def batch_norm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(108, 2))
+
+
+def test_statistics_follow_the_parameters_and_are_sent_times_the_samples() -> None:
+    model = batch_norm_model()
+    layout = ParamLayout.from_model(model)
+    params = sum(p.numel() for p in model.parameters())
+    names = [e.name for e in layout.entries if e.statistic]
+    assert names == ["1.running_mean", "1.running_var"]  # not num_batches_tracked (int)
+    assert layout.numel == params + 6
+    model.train()
+    model(torch.randn(5, 1, 8, 8) * 3 + 1).sum().backward()  # moves the running statistics
+    with pytest.raises(ValueError, match="num_samples"):
+        layout.flatten_grads(model)
+    sent = layout.flatten_grads(model, 5)
+    bn = model[1]
+    grads = [p.grad.reshape(-1) for p in model.parameters()]  # type: ignore[union-attr]
+    assert torch.equal(sent[:params], torch.cat(grads))
+    assert torch.equal(sent[params:], torch.cat([bn.running_mean, bn.running_var]) * 5)
+    # the flat vector carries them both ways
+    flat = layout.flatten_params(model)
+    assert torch.equal(flat[params:], torch.cat([bn.running_mean, bn.running_var]))
+    fresh = batch_norm_model()
+    layout.load_flat(fresh, flat)
+    assert torch.equal(fresh[1].running_var, bn.running_var)  # type: ignore[index]
+    # slice-relative ranges: slice [params - 2, params + 4) holds the 3 means from its
+    # element 2 and the first variance
+    assert layout.statistic_ranges(params - 2, params + 4) == [(2, 5), (5, 6)]
+    assert layout.statistic_ranges(0, params) == []

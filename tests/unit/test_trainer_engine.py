@@ -158,3 +158,20 @@ def test_devices_and_resources() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_token_batches_score_the_mean_next_token_loss_per_sequence() -> None:
+    torch.manual_seed(0)
+    gpt = build_model("gpt", in_channels=1, num_classes=32, image_size=(1, 8),
+                      n_layer=1, n_head=2, n_embd=8)  # fmt: skip
+    layout = ParamLayout.from_model(gpt)
+    engine = Engine(gpt, CPU, bf16=False, normalizer=Normalizer(None, 1, CPU), layout=layout,
+                    encoder=SliceEncoder(CompressionSpec(), layout.slice_bounds(2)))  # fmt: skip
+    tokens = torch.randint(0, 32, (3, 9))
+    x, y = tokens[:, :-1].to(torch.int32), tokens[:, 1:]  # [3,8] inputs, [3,8] targets
+    result = engine.accumulate(x, y)
+    per_token = torch.nn.functional.cross_entropy(gpt(x).flatten(0, 1), y.flatten()).item()
+    assert result.loss_sum == pytest.approx(3 * per_token, rel=1e-5)  # 3 sequences' means
+    assert result.samples == 3 and result.correct == 0  # no accuracy for next tokens
+    evaluated = engine.evaluate(engine.snapshot(layout.flatten_params(gpt)), x, y)
+    assert evaluated.loss_sum == pytest.approx(result.loss_sum, rel=1e-5)

@@ -90,9 +90,9 @@ def test_prepare_builds_the_seeded_version_0_its_slices_and_the_consumer_bound()
     assert session.max_in_flight == 10 + 2 + 12 + 8 + 4 + 8
 
 
-def test_models_with_buffers_are_refused() -> None:
-    spec = {**SPEC, "model": {"name": "resnet18", "width": 8, "norm": "batch"}}
-    with pytest.raises(JobFailure, match="buffers"):
+def test_statistics_with_compressed_gradients_are_refused() -> None:
+    spec = {**SPEC, "model": {"name": "resnet18", "width": 8, "norm": "batch"}}  # SPEC: top-k
+    with pytest.raises(JobFailure, match="uncompressed"):
         prepare_job(job(spec), TrainerSettings(worker_id="w"), TOPICS)
 
 

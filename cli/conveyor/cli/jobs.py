@@ -149,6 +149,8 @@ def summary_of(job: dict[str, Any]) -> dict[str, Any]:
     }
     summary = {key: reported.get(key, fallback[key]) for key in SUMMARY_FIELDS}
     summary["job_id"], summary["state"] = job["id"], job["state"]
+    if "eval_perplexity" in reported:  # a language model's (tokens://) summary
+        summary["eval_perplexity"] = reported["eval_perplexity"]
     if job.get("reason"):
         summary["reason"] = job["reason"]
     return summary

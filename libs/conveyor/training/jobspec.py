@@ -18,10 +18,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DATASET_SCHEMES = frozenset(
-    {"builtin", "synthetic", "npz", "mnist-idx", "imagefolder", "webdataset", "parquet"}
+    {"builtin", "synthetic", "npz", "mnist-idx", "imagefolder", "webdataset", "parquet", "tokens"}
 )
-"""URI schemes a dataset may use; the datasets library resolves what follows ``://``.
-``tokens://`` is readable by the library but not trainable yet (no language-model batches)."""
+"""URI schemes a dataset may use; the datasets library resolves what follows ``://``."""
+
+LANGUAGE_MODELS = frozenset({"gpt"})
+"""Models that read token sequences and predict the next token: the models of ``tokens://``
+jobs, and only of those (every other model, plug-ins included, classifies images)."""
 
 IMAGE_FILE_SCHEMES = frozenset({"imagefolder", "webdataset", "parquet"})
 """Schemes of encoded images of any size: a job needs ``preprocess.image_size`` for them."""
@@ -82,11 +85,6 @@ class DatasetSpec(_Spec):
         scheme, sep, rest = uri.partition("://")
         if not sep:
             raise ValueError(f"dataset uri {uri!r} must look like <scheme>://<location>")
-        if scheme == "tokens":
-            raise ValueError(
-                "tokens:// datasets are readable but not trainable yet: jobs carry images and "
-                "class labels (language-model batches and a GPT model are missing)"
-            )
         if scheme not in DATASET_SCHEMES:
             known = ", ".join(sorted(DATASET_SCHEMES))
             raise ValueError(f"unknown dataset scheme {scheme!r}; expected one of: {known}")
@@ -98,7 +96,7 @@ class DatasetSpec(_Spec):
     @property
     def scheme(self) -> str:
         """The URI scheme (``builtin``, ``synthetic``, ``npz``, ``mnist-idx``, ``imagefolder``,
-        ``webdataset``, ``parquet``)."""
+        ``webdataset``, ``parquet``, ``tokens``)."""
         return self.uri.partition("://")[0]
 
 
@@ -420,7 +418,29 @@ class JobSpec(_Spec):
                 f"{dataset.scheme}:// images have any size: set image_size [H, W], the shape "
                 f"the preprocessors bring them to"
             )
+        if dataset is not None and dataset.scheme == "tokens" and preprocess != PreprocessSpec():
+            raise ValueError(
+                "tokens:// sequences go to the model as they are: leave preprocess out "
+                "(no image_size, channels, normalize or augment)"
+            )
         return preprocess
+
+    @field_validator("dataset")
+    @classmethod
+    def _language_models_read_tokens(
+        cls, dataset: DatasetSpec, info: ValidationInfo
+    ) -> DatasetSpec:
+        model = info.data.get("model")
+        if model is not None and (dataset.scheme == "tokens") != (model.name in LANGUAGE_MODELS):
+            if dataset.scheme == "tokens":
+                names = ", ".join(sorted(LANGUAGE_MODELS))
+                raise ValueError(
+                    f"tokens:// datasets train language models ({names}), not {model.name!r}"
+                )
+            raise ValueError(
+                f"model {model.name!r} reads tokens:// datasets, not {dataset.scheme}://"
+            )
+        return dataset
 
     @field_validator("flow")
     @classmethod
@@ -434,6 +454,12 @@ class JobSpec(_Spec):
                     f"training.micro_batch_size ({micro})"
                 )
         return flow
+
+    @property
+    def language_model(self) -> bool:
+        """Whether the job trains a language model on token sequences (``tokens://``): its
+        losses are per token, it has a perplexity and no accuracy."""
+        return self.dataset.scheme == "tokens"
 
     @property
     def micro_batches_per_step(self) -> int:

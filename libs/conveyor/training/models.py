@@ -15,8 +15,14 @@ Models:
 - ``resnet18 {width: int = 64, norm: "batch" | "group" = "batch"}``: the CIFAR-style
   ResNet-18 (3x3 stride-1 stem, no max-pool, 4 stages of 2 basic blocks), ~11.2M
   parameters at width 64 and 10 classes. ``norm="batch"`` keeps running
-  statistics in buffers (not parameters); ``"group"`` (GroupNorm, 32 groups or fewer)
-  has none.
+  statistics in buffers, which the gradient plane averages across trainers and exports
+  with the weights (:mod:`conveyor.training.slicing`); ``"group"`` (GroupNorm, 32 groups
+  or fewer) has none.
+- ``gpt {n_layer: int = 4, n_head: int = 4, n_embd: int = 128}``: a small GPT for
+  ``tokens://`` datasets (:mod:`conveyor.training.gpt`); its "images" are token sequences,
+  ``in_channels=1``, ``image_size=(1, block_size)``, ``num_classes=vocab_size``, and it maps
+  token ids ``[N, T]`` to logits ``[N, T, vocab_size]``; the one name in
+  ``jobspec.LANGUAGE_MODELS``.
 
 Plug-ins: an installed package registers more builders under the ``conveyor.models``
 entry-point group (``[project.entry-points."conveyor.models"] my_net = "my_pkg:build"``). A
@@ -36,6 +42,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+
+from conveyor.training.gpt import build_gpt
 
 ModelBuilder = Callable[..., nn.Module]
 
@@ -198,7 +206,12 @@ def _resnet18(
     return ResNet18(in_channels=in_channels, num_classes=num_classes, width=width, norm=norm)
 
 
-_MODELS: dict[str, ModelBuilder] = {"small_cnn": _small_cnn, "mlp": _mlp, "resnet18": _resnet18}
+_MODELS: dict[str, ModelBuilder] = {
+    "small_cnn": _small_cnn,
+    "mlp": _mlp,
+    "resnet18": _resnet18,
+    "gpt": build_gpt,
+}
 _FIXED = {"in_channels", "num_classes", "image_size"}
 
 

@@ -1,13 +1,19 @@
-"""The flat parameter vector of a model and its K slices: what the gradient plane moves.
+"""The flat state vector of a model and its K slices: what the gradient plane moves.
 
-Every parameter of ``model.named_parameters()`` (in that order) is flattened into one fp32
-vector of N elements; slice p of K is ``[p * N // K, (p + 1) * N // K)``, partition p of the
-job's grads and params topics. Trainers and aggregators compute the layout from the same
-model independently, so it is never sent.
+Every parameter of ``model.named_parameters()`` (in that order), then every floating-point
+buffer of ``model.named_buffers()`` (BatchNorm's running mean and variance: the model's
+*statistics*), is flattened into one fp32 vector of N elements; slice p of K is
+``[p * N // K, (p + 1) * N // K)``, partition p of the job's grads and params topics. Trainers
+and aggregators compute the layout from the same model independently, so it is never sent.
 
-Buffers (BatchNorm running statistics) are not parameters and would not be aggregated:
-:func:`check_no_buffers` rejects such models, :func:`build_job_model` builds a job's model at
-version 0 (the seeded initialisation every process computes the same way).
+Statistics ride the gradient plane like gradients (departure 28): where a trainer sends the
+summed gradient of a parameter, it sends its statistic after the step's forward passes times
+the step's sample count, so the aggregator's ``sum / num_samples`` is the sample-weighted mean
+of the trainers' statistics, which the slice owner takes as the new value instead of an
+optimizer step (:meth:`ParamLayout.statistic_ranges`). Integer buffers (BatchNorm's
+``num_batches_tracked``) are not carried: :func:`check_buffers` refuses models that would
+need them. :func:`build_job_model` builds a job's model at version 0 (the seeded
+initialisation every process computes the same way).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class ParamEntry:
     """Index of its first element in the flat vector."""
     numel: int
     """Its number of elements."""
+    statistic: bool = False
+    """A floating-point buffer (running statistics): averaged across trainers, never given
+    to the optimizer."""
 
 
 def slice_bounds(numel: int, num_slices: int) -> list[tuple[int, int]]:
@@ -67,48 +76,77 @@ class ParamLayout:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> ParamLayout:
-        """The layout of ``model.named_parameters()``."""
+        """The layout of ``model.named_parameters()`` then its floating-point buffers."""
         entries: list[ParamEntry] = []
         offset = 0
-        for name, param in model.named_parameters():
-            shape = tuple(param.shape)
-            entries.append(ParamEntry(name=name, shape=shape, offset=offset, numel=param.numel()))
-            offset += param.numel()
+        for statistic, (name, tensor) in _state(model):
+            shape = tuple(tensor.shape)
+            entries.append(
+                ParamEntry(
+                    name=name, shape=shape, offset=offset, numel=tensor.numel(), statistic=statistic
+                )
+            )
+            offset += tensor.numel()
         return cls(entries)
+
+    @property
+    def has_statistics(self) -> bool:
+        """Whether the layout carries statistics (buffers) besides parameters."""
+        return any(entry.statistic for entry in self.entries)
+
+    def statistic_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``[(lo, hi), ...]``: the statistics' elements within ``[start, stop)`` of the flat
+        vector, relative to ``start`` (what a slice owner averages instead of stepping)."""
+        ranges: list[tuple[int, int]] = []
+        for entry in self.entries:
+            lo, hi = max(entry.offset, start), min(entry.offset + entry.numel, stop)
+            if entry.statistic and lo < hi:
+                ranges.append((lo - start, hi - start))
+        return ranges
 
     def slice_bounds(self, num_slices: int) -> list[tuple[int, int]]:
         """Bounds of the ``num_slices`` slices of this layout (see :func:`slice_bounds`)."""
         return slice_bounds(self.numel, num_slices)
 
     def flatten_params(self, model: nn.Module) -> torch.Tensor:
-        """fp32 [N] copy of the parameters, on the parameters' device."""
-        return self._flatten([param.detach() for param in self._params(model)])
+        """fp32 [N] copy of the parameters and statistics, on the parameters' device."""
+        return self._flatten([tensor.detach() for tensor in self._tensors(model)])
 
-    def flatten_grads(self, model: nn.Module) -> torch.Tensor:
-        """fp32 [N] copy of the gradients (zeros where a parameter has none)."""
-        grads = [
-            param.grad.detach() if param.grad is not None else torch.zeros_like(param)
-            for param in self._params(model)
-        ]
-        return self._flatten(grads)
+    def flatten_grads(self, model: nn.Module, num_samples: int | None = None) -> torch.Tensor:
+        """fp32 [N]: the gradients (zeros where a parameter has none) and, at the statistics,
+        their current values times ``num_samples`` (the samples of the summed gradient, so
+        that dividing the sum over trainers by the step's samples averages them). ValueError
+        when the layout has statistics and ``num_samples`` is not given."""
+        if num_samples is None and self.has_statistics:
+            raise ValueError("a layout with statistics needs the step's num_samples")
+        parts: list[torch.Tensor] = []
+        for entry, tensor in zip(self.entries, self._tensors(model), strict=True):
+            if entry.statistic:
+                parts.append(tensor.detach().to(torch.float32) * float(num_samples or 0))
+            elif tensor.grad is not None:
+                parts.append(tensor.grad.detach())
+            else:
+                parts.append(torch.zeros_like(tensor))
+        return self._flatten(parts)
 
     @torch.no_grad()
     def load_flat(self, model: nn.Module, flat: torch.Tensor) -> None:
-        """Copy the fp32 [N] vector ``flat`` (any device) into the parameters."""
+        """Copy the fp32 [N] vector ``flat`` (any device) into the parameters and
+        statistics."""
         if flat.dim() != 1 or flat.numel() != self.numel:
             raise ValueError(f"flat vector has shape {list(flat.shape)}, expected [{self.numel}]")
-        for entry, param in zip(self.entries, self._params(model), strict=True):
+        for entry, tensor in zip(self.entries, self._tensors(model), strict=True):
             part = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
-            param.copy_(part)
+            tensor.copy_(part)
 
-    def _params(self, model: nn.Module) -> list[nn.Parameter]:
-        params = list(model.named_parameters())
-        if len(params) != len(self.entries) or any(
-            name != entry.name or tuple(param.shape) != entry.shape
-            for (name, param), entry in zip(params, self.entries, strict=True)
+    def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        state = _state(model)
+        if len(state) != len(self.entries) or any(
+            name != entry.name or tuple(tensor.shape) != entry.shape
+            for (_, (name, tensor)), entry in zip(state, self.entries, strict=True)
         ):
             raise ValueError("the model's parameters do not match this layout")
-        return [param for _, param in params]
+        return [tensor for _, (_, tensor) in state]
 
     def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
@@ -123,15 +161,40 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def check_no_buffers(model: nn.Module, name: str) -> None:
-    """ValueError when ``model`` has buffers: the gradient plane aggregates parameters only,
-    so running statistics (BatchNorm) would silently differ between trainers."""
-    buffers = [buffer_name for buffer_name, _ in model.named_buffers()]
-    if buffers:
+def _state(model: nn.Module) -> list[tuple[bool, tuple[str, torch.Tensor]]]:
+    """``(is_statistic, (name, tensor))`` of the parameters, then the floating buffers."""
+    params = [(False, item) for item in model.named_parameters()]
+    statistics = [(True, item) for item in model.named_buffers() if item[1].is_floating_point()]
+    return params + statistics
+
+
+def check_buffers(model: nn.Module, name: str, spec: JobSpec) -> None:
+    """ValueError when ``model`` keeps state the gradient plane cannot carry: an integer
+    buffer other than BatchNorm's ``num_batches_tracked`` (read only when its momentum is
+    None, refused too), or statistics in a job whose gradients are compressed (a top-k or
+    fp16 gradient would drop or overflow the statistics travelling with it)."""
+    norms = {module_name for module_name, module in model.named_modules()
+             if isinstance(module, nn.modules.batchnorm._BatchNorm)}  # fmt: skip
+    cumulative = [n for n, m in model.named_modules() if n in norms and m.momentum is None]
+    if cumulative:
         raise ValueError(
-            f"model {name!r} keeps state outside its parameters (buffers {buffers[:3]}...), "
-            "which the aggregator cannot aggregate; use a model without buffers "
-            "(small_cnn, mlp, resnet18 with norm: group)"
+            f"model {name!r}: BatchNorm with momentum=None ({cumulative[0]}) keeps a cumulative "
+            "average that needs num_batches_tracked, which the gradient plane does not carry"
+        )
+    for buffer_name, buffer in model.named_buffers():
+        owner, _, leaf = buffer_name.rpartition(".")
+        if buffer.is_floating_point() or (leaf == "num_batches_tracked" and owner in norms):
+            continue
+        raise ValueError(
+            f"model {name!r} keeps integer state in buffer {buffer_name!r}, which the gradient "
+            "plane cannot average across trainers"
+        )
+    compression = spec.distribution.compression.kind
+    if compression != "none" and ParamLayout.from_model(model).has_statistics:
+        raise ValueError(
+            f"model {name!r} has running statistics (BatchNorm), which travel with the "
+            f"gradients uncompressed: use distribution.compression.kind none, not "
+            f"{compression!r} (or resnet18 with norm: group)"
         )
 
 
@@ -143,7 +206,7 @@ def build_job_model(
     moved to ``device`` (``"meta"`` builds shapes only, for checks). Thread-safe against other
     calls of this function (not against other users of the global CPU generator). Options
     ``num_classes`` / ``in_channels`` in the spec must agree with the dataset. ValueError when
-    the model cannot be built or has buffers."""
+    the model cannot be built or keeps state :func:`check_buffers` refuses."""
     channels, height, width = (int(v) for v in sample_shape)
     options = dict(spec.model.options)
     for key, actual in (("num_classes", num_classes), ("in_channels", channels)):
@@ -172,5 +235,5 @@ def build_job_model(
                 model = build()
     except TypeError as exc:  # an option of the wrong kind
         raise ValueError(f"cannot build model {spec.model.name!r}: {exc}") from exc
-    check_no_buffers(model, spec.model.name)
+    check_buffers(model, spec.model.name, spec)
     return model if device in ("cpu", "meta") else model.to(device)

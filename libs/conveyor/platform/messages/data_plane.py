@@ -82,10 +82,11 @@ class ShardTask(Message):
                              f"got {self.routing!r}")  # fmt: skip
 
 
-@message("Batch", version=1)
+@message("Batch", version=2)
 @dataclass(kw_only=True, slots=True)
 class Batch(Message):
-    """A ready micro-batch on ``Topics.batches(job_id)``; images stay uint8 until the device."""
+    """A ready micro-batch on ``Topics.batches(job_id)``: images (uint8 until the device) and
+    class labels, or (since version 2) token sequences and their next-token targets."""
 
     job_id: str
     """Id of the job."""
@@ -100,9 +101,9 @@ class Batch(Message):
     sample_ids: list[int]
     """Ids of the B samples, in row order."""
     x: Tensor
-    """uint8 [B, C, H, W] images, augmented, not normalised."""
+    """uint8 [B, C, H, W] images, augmented, not normalised; or int32 [B, T] token ids."""
     y: Tensor
-    """int64 [B] class labels."""
+    """int64 [B] class labels; or int64 [B, T] targets, ``x`` shifted by one token."""
     timestamps: dict[str, float]
     """Stage name -> unix time in seconds: ``released`` (sharder), ``read_start``,
     ``read_end``, ``augment_end``, ``sent`` (preprocessor), then the trainer's stages."""
@@ -113,11 +114,17 @@ class Batch(Message):
         # Runs on every decoded batch: each tensor attribute is read once (they are not free).
         x, y = self.x, self.y
         x_shape, y_shape = x.shape, y.shape
-        if x.dtype is not torch.uint8 or len(x_shape) != 4:
-            raise ValueError(f"x must be uint8 [B,C,H,W], got {x.dtype} {list(x_shape)}")
-        rows = x_shape[0]
-        if y.dtype is not torch.int64 or y_shape != (rows,):
-            raise ValueError(f"y must be int64 [B], got {y.dtype} {list(y_shape)}")
+        rows = x_shape[0] if len(x_shape) else 0
+        if x.dtype is torch.uint8 and len(x_shape) == 4:
+            expected_y: tuple[int, ...] = (rows,)
+        elif x.dtype is torch.int32 and len(x_shape) == 2:
+            expected_y = tuple(x_shape)
+        else:
+            raise ValueError(
+                f"x must be uint8 [B,C,H,W] or int32 [B,T], got {x.dtype} {list(x_shape)}"
+            )
+        if y.dtype is not torch.int64 or tuple(y_shape) != expected_y:
+            raise ValueError(f"y must be int64 {list(expected_y)}, got {y.dtype} {list(y_shape)}")
         if len(self.sample_ids) != rows:
             raise ValueError(f"{len(self.sample_ids)} sample_ids for {rows} rows")
 

@@ -14,10 +14,12 @@ URIs (DESIGN section 6):
 - ``parquet://<file or dir>?image=image&label=label``: image bytes + label columns (a Hugging
   Face image dataset's Parquet export).
 
+- ``tokens://<file>?dtype=uint16&block_size=256&vocab_size=256``: a flat array of token ids
+  cut into sequences of ``block_size + 1`` (nanoGPT's ``.bin``), for language models.
+
 The first four are :class:`Dataset` (uint8 arrays of one shape), the image files
-:class:`EncodedDataset` (encoded images of any size, decoded by the preprocessors).
-``tokens://<file>?dtype=uint16&block_size=256`` (:class:`TokenDataset`, ``open_tokens``) reads
-token sequences; no job trains on them yet.
+:class:`EncodedDataset` (encoded images of any size, decoded by the preprocessors), the token
+file a :class:`TokenDataset` (int64 sequences, its "shape" ``(1, 1, block_size)``).
 
 Opening validates cheaply and raises DatasetError with a clear reason; every
 dataset's reads are thread-safe.
@@ -29,7 +31,6 @@ from collections.abc import Callable
 
 from conveyor.platform.config import StorageSettings
 from conveyor.training.datasets.base import (
-    AnyDataset,
     BadSample,
     Dataset,
     DatasetError,
@@ -53,6 +54,9 @@ from conveyor.training.datasets.parquet import ParquetDataset
 from conveyor.training.datasets.synthetic import SyntheticDataset, open_synthetic
 from conveyor.training.datasets.tokens import TokenDataset
 from conveyor.training.datasets.webdataset import WebDataset
+
+AnyDataset = Dataset | EncodedDataset | TokenDataset
+"""What ``open_dataset`` returns."""
 
 __all__ = [
     "AnyDataset",
@@ -98,6 +102,7 @@ _OPENERS: dict[str, _Opener] = {
     "imagefolder": lambda uri, storage: ImageFolderDataset(uri, storage=storage),
     "webdataset": lambda uri, storage: WebDataset(uri, storage=storage),
     "parquet": lambda uri, storage: ParquetDataset(uri, storage=storage),
+    "tokens": lambda uri, storage: TokenDataset(uri, storage=storage),
 }
 
 

@@ -20,13 +20,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import parse_qsl
 
 import numpy as np
 from numpy.typing import NDArray
 
 from conveyor.platform.errors import ConveyorError
+
+if TYPE_CHECKING:
+    from conveyor.training.datasets.tokens import TokenDataset
 
 ImageBatch = NDArray[np.uint8]
 """uint8 images ``[N, C, H, W]``."""
@@ -193,20 +196,21 @@ class EncodedDataset(ABC):
         )
 
 
-AnyDataset = Dataset | EncodedDataset
-"""What ``open_dataset`` returns."""
-
 DEFAULT_CHANNELS = 3
 """Channels encoded images are decoded to unless the job says otherwise (RGB)."""
 
 
 def output_shape(
-    dataset: AnyDataset, *, image_size: Sequence[int] | None, channels: int | None
+    dataset: Dataset | EncodedDataset | TokenDataset,
+    *,
+    image_size: Sequence[int] | None,
+    channels: int | None,
 ) -> tuple[int, int, int]:
     """``(C, H, W)`` of the samples a job's batches carry: ``image_size`` (H, W) when given,
     else an array dataset's own; ``channels`` for encoded images (default 3), an array
-    dataset's own otherwise. DatasetError for encoded images without ``image_size`` (they have
-    no common size) and for ``channels`` other than an array dataset's."""
+    dataset's own otherwise; ``(1, 1, block_size)`` for token sequences. DatasetError for
+    encoded images without ``image_size`` (they have no common size) and for ``channels``
+    other than an array dataset's."""
     if isinstance(dataset, EncodedDataset):
         if image_size is None:
             raise DatasetError(

@@ -11,9 +11,9 @@ and each sample is one range read. A file that is not a whole number of tokens f
 with ``vocab_size`` given, a token ``>= vocab_size`` fails the read naming the file and the
 token's position.
 
-Not yet trainable: a job's batches carry uint8 images and class labels to classifier models,
-so a job spec refuses ``tokens://`` (language-model batches, a loss over sequences and a GPT
-model are what is missing; see issue 16).
+A job trains a language model on it (``gpt``): the sharder plans it as samples of "shape"
+``(1, 1, block_size)`` and ``num_classes = vocab_size``; the preprocessors send each batch's
+inputs and next-token targets (:class:`~conveyor.platform.messages.Batch`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ TOKEN_DTYPES: dict[str, np.dtype[np.unsignedinteger[Any]]] = {
     "uint32": np.dtype("<u4"),
 }
 MAX_BLOCK_SIZE = 1 << 20
+MAX_VOCAB_SIZE = 1 << 31
+"""Token ids travel as int32 on the batches topic."""
 
 
 class TokenDataset:
@@ -51,6 +53,8 @@ class TokenDataset:
             raise DatasetError(f"{uri}: block_size must be <= {MAX_BLOCK_SIZE}")
         vocab = params.get("vocab_size")
         self.vocab_size = None if vocab is None else _positive(uri, "vocab_size", vocab)
+        if self.vocab_size is not None and self.vocab_size > MAX_VOCAB_SIZE:
+            raise DatasetError(f"{uri}: vocab_size must be <= {MAX_VOCAB_SIZE}")
         self._store, self._key, self._where = open_file_location(uri, location, storage)
         size = stat_object(self._store, self._where, self._key)
         if size % self.dtype.itemsize:
@@ -60,12 +64,24 @@ class TokenDataset:
             )
         self.num_tokens = size // self.dtype.itemsize
         self.uri = uri
+        self.sample_shape = (1, 1, self.block_size)
+        """A sequence as the plan sees a sample: one channel, one row of ``block_size``."""
         self.num_samples = (self.num_tokens - 1) // self.block_size
         if self.num_samples < 1:
             raise DatasetError(
                 f"{uri}: {self.num_tokens} tokens do not make one sequence of "
                 f"block_size + 1 = {self.block_size + 1}"
             )
+
+    @property
+    def num_classes(self) -> int:
+        """The vocabulary a model predicts over: ``vocab_size``, else every id the dtype holds
+        for uint16 (65536). DatasetError for uint32 without ``vocab_size`` (2^32 outputs)."""
+        if self.vocab_size is not None:
+            return self.vocab_size
+        if self.dtype.itemsize == 2:
+            return 1 << 16
+        raise DatasetError(f"{self.uri}: uint32 tokens need vocab_size=<n> to be trained on")
 
     def read(self, sample_ids: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
         """Token ids int64 ``[N, block_size + 1]`` of ``sample_ids``, in that order.

@@ -139,6 +139,7 @@ class Coordinator:
             epochs=config.spec.training.epochs,
             train_batches=config.train_batches_per_epoch,
             eval_batches=config.eval_batches_per_epoch,
+            counts_correct=not config.spec.language_model,
         )
         self.ledger = Ledger(config.dataset_samples)
         """Per-epoch counts of the sample ids of every applied contribution (module

@@ -41,8 +41,13 @@ class _EvalTally:
 class EpochBook:
     """See the module docstring. Not thread-safe."""
 
-    def __init__(self, *, epochs: int, train_batches: int, eval_batches: int) -> None:
+    def __init__(
+        self, *, epochs: int, train_batches: int, eval_batches: int, counts_correct: bool = True
+    ) -> None:
+        """``counts_correct``: False when predictions have no accuracy (a language model's
+        next tokens): ``eval_accuracy`` is None then."""
         self.epochs = epochs
+        self.counts_correct = counts_correct
         self.train_batches = train_batches
         """Train batches per epoch."""
         self.eval_batches = eval_batches
@@ -136,7 +141,9 @@ class EpochBook:
             epoch=epoch,
             version=version,
             eval_loss=tally.loss_sum / tally.samples if tally.samples else None,
-            eval_accuracy=tally.correct / tally.samples if tally.samples else None,
+            eval_accuracy=(
+                tally.correct / tally.samples if tally.samples and self.counts_correct else None
+            ),
             train_loss=train[0] / train[1] if train and train[1] else None,
         )
 

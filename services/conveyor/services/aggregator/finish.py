@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -64,9 +65,14 @@ def write_outputs(
 
 
 def summarise(coordinator: Coordinator, model_uri: str) -> dict[str, Any]:
-    """The ``completed`` summary: DESIGN section 7 fields plus the gradient plane's figures."""
+    """The ``completed`` summary: DESIGN section 7 fields plus the gradient plane's figures,
+    and a language model's ``eval_perplexity`` (exp of its per-token eval loss)."""
     results = coordinator.epochs.results()
     last = results[-1] if results else None
+    language: dict[str, float | None] = {}
+    if coordinator.config.spec.language_model:
+        loss = last.eval_loss if last else None
+        language["eval_perplexity"] = math.exp(min(loss, 700.0)) if loss is not None else None
     started, ended = coordinator.first_sent_at, coordinator.last_closed_at
     elapsed_s = (ended - started) if started is not None and ended is not None else 0.0
     steps = coordinator.steps
@@ -86,4 +92,5 @@ def summarise(coordinator: Coordinator, model_uri: str) -> dict[str, Any]:
         max_staleness=coordinator.max_staleness,
         rejections=coordinator.rejected,
         finished_at=time.time(),
+        **language,
     )

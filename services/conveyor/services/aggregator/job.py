@@ -1,8 +1,8 @@
 """What an aggregator knows about a job before it serves it: spec, plan, layout, version 0.
 
 :func:`prepare_job` is blocking (it builds the model): call it in a thread. A job that cannot
-be served (invalid spec or plan, a model that cannot be built or has buffers) raises
-:class:`JobFailure` with the reason for the job's ``failed`` event.
+be served (invalid spec or plan, a model that cannot be built or keeps state the gradient plane
+cannot carry) raises :class:`JobFailure` with the reason for the job's ``failed`` event.
 """
 
 from __future__ import annotations

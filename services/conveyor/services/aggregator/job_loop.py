@@ -316,6 +316,7 @@ class JobAggregator:
     async def _open_slice(self, index: int, grads: Consumer) -> None:
         start, stop = self.ctx.bounds[index]
         optimizer = aggregator_optimizer(self.ctx.spec)
+        statistics = self.ctx.layout.statistic_ranges(start, stop)
         last = (await last_param_slices(self.kafka, self._params_topic)).get(index)
         if last is None:
             state = SliceState(slice_index=index, version=0, values=self.ctx.initial[start:stop],
@@ -335,6 +336,7 @@ class JobAggregator:
                 optimizer=optimizer,
                 checkpoints=self.checkpoints,
                 closes=self._closes_through,
+                statistics=statistics,
             )
             await self.saver.report_unusable(restored.skipped, restored.checkpoint_version)
             state = restored.state
@@ -351,6 +353,7 @@ class JobAggregator:
             version=state.version,
             optimizer=optimizer,
             optimizer_state=state.optimizer,
+            statistics=statistics,
         )
         self.owners[index] = owner
         logger.info(

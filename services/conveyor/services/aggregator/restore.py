@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +66,13 @@ async def restore_slice(
     optimizer: OptimizerSpec,
     checkpoints: CheckpointStore,
     closes: Callable[[int], Awaitable[list[StepClose]]],
+    statistics: Sequence[tuple[int, int]] = (),
 ) -> Restored:
     """The state of slice ``index`` at ``last.version`` (module docstring). ``initial``: the
     slice's fp32 values at version 0; ``closes(version)`` waits until the control log is
-    folded up to ``version`` and returns the StepCloses 1..version in order. Raises the
-    store's StorageError or BusError on I/O failures (the caller retries)."""
+    folded up to ``version`` and returns the StepCloses 1..version in order; ``statistics``:
+    the slice's running-statistics ranges (:class:`SliceOwner`). Raises the store's
+    StorageError or BusError on I/O failures (the caller retries)."""
     target = last.version
     manifest, states, skipped = await asyncio.to_thread(checkpoints.latest_good, [index])
     if manifest is not None and manifest.version <= target:
@@ -87,7 +89,7 @@ async def restore_slice(
     steps = (await closes(target))[base.version : target]
     try:
         grads = await _read_grads(kafka, grads_topic, index, base.grads_offset, steps)
-        replayed = await asyncio.to_thread(_replay, base, steps, grads, optimizer)
+        replayed = await asyncio.to_thread(_replay, base, steps, grads, optimizer, statistics)
     except ReplayError as exc:
         logger.error("slice %d: cannot replay v%d..v%d (%s); the optimizer state restarts",
                      index, base.version + 1, target, exc)  # fmt: skip
@@ -120,7 +122,11 @@ async def _read_grads(
 
 
 def _replay(
-    base: SliceState, steps: list[StepClose], grads: dict[str, GradSlice], optimizer: OptimizerSpec
+    base: SliceState,
+    steps: list[StepClose],
+    grads: dict[str, GradSlice],
+    optimizer: OptimizerSpec,
+    statistics: Sequence[tuple[int, int]],
 ) -> SliceState:
     owner: SliceOwner[None] = SliceOwner(
         slice_index=base.slice_index,
@@ -128,6 +134,7 @@ def _replay(
         version=base.version,
         optimizer=optimizer,
         optimizer_state=base.optimizer,
+        statistics=statistics,
     )
     for close in steps:
         slices = [grads[e.contribution_id] for e in close.contributions if e.num_samples > 0]

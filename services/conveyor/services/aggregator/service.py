@@ -6,9 +6,9 @@ is done) and keeps one :class:`JobAggregator` per planned, non-terminal job that
 to cancel: it joins the job's aggregator group on the grads topic, so the processes share the
 job's K slices and a rebalance moves a slice to a survivor. A job that turns terminal or is
 asked to cancel is let go (its consumer leaves the group). A job that cannot be served (invalid
-plan, a model with buffers, a corrupt gradient slice) is ``failed`` with the reason; a retriable
-broker or storage failure serves the job again after a backoff; any other error ends the process
-so that its supervisor restarts it.
+plan, a model with state the gradient plane cannot carry, a corrupt gradient slice) is
+``failed`` with the reason; a retriable broker or storage failure serves the job again after a
+backoff; any other error ends the process so that its supervisor restarts it.
 """
 
 from __future__ import annotations

@@ -11,12 +11,17 @@ held (an empty contribution, ``num_samples == 0``, sends no GradSlice).
 
 The step: ``grad = sum(decoded slices of the step's contributions) / StepClose.num_samples``,
 then one optimizer step at ``StepClose.lr`` (and ``StepClose.momentum`` when set); a step
-without samples changes nothing but still makes the new version.
+without samples changes nothing but still makes the new version. The slice's statistics
+(BatchNorm running mean/var, :meth:`ParamLayout.statistic_ranges`) take ``grad`` itself after
+the step: the trainers sent them times their sample counts, so it is their sample-weighted
+mean (departure 28). The optimizer steps them too (element-wise, so the other elements are
+unaffected); its state there is never read.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -52,9 +57,11 @@ class SliceOwner(Generic[R]):
         version: int,
         optimizer: OptimizerSpec,
         optimizer_state: dict[str, torch.Tensor] | None = None,
+        statistics: Sequence[tuple[int, int]] = (),
     ) -> None:
         """``optimizer_state``: the optimizer's state at ``version`` (from a checkpoint);
-        None: a fresh optimizer."""
+        None: a fresh optimizer. ``statistics``: ``[lo, hi)`` ranges of the slice that hold
+        running statistics (averaged, not optimized)."""
         self.slice_index = slice_index
         self.version = version
         """The version ``values`` are at."""
@@ -63,6 +70,9 @@ class SliceOwner(Generic[R]):
         if optimizer_state:
             self._optimizer.load_state_tensors(optimizer_state)
         self._buffer: dict[str, Buffered[R]] = {}
+        self._statistics = [(lo, hi) for lo, hi in statistics if lo < hi]
+        if any(lo < 0 or hi > self.numel for lo, hi in self._statistics):
+            raise ValueError(f"statistics {statistics} fall outside a slice of {self.numel}")
 
     @property
     def values(self) -> torch.Tensor:
@@ -134,7 +144,11 @@ class SliceOwner(Generic[R]):
             total = torch.zeros(self.numel, dtype=torch.float32)  # [numel]
             for grad in grads:
                 total += _dense(grad)
-            self._optimizer.step(total / close.num_samples, close.lr, close.momentum)
+            mean = total / close.num_samples  # [numel]
+            self._optimizer.step(mean, close.lr, close.momentum)
+            values = self._optimizer.values
+            for lo, hi in self._statistics:
+                values[lo:hi] = mean[lo:hi]
         self.version = close.version
 
     def snapshot(self, grads_offset: int) -> SliceState:

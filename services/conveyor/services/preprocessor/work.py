@@ -4,7 +4,9 @@
 ``EncodedDataset.read_encoded`` for image files), ``make_batches`` decodes image files (to the
 job's ``preprocess.channels``), augments and sizes the images (randomness keyed by job seed,
 epoch and sample id; evaluation shards get the deterministic ops only, see ``augment.py``) and
-cuts them into micro-batches of ``micro_batch_size`` positions of the task's order. The batch
+cuts them into micro-batches of ``micro_batch_size`` positions of the task's order. Token
+sequences (``tokens://``) are cut the same way into int32 inputs and int64 next-token targets,
+with no image work. The batch
 at position ``k`` of shard ``s`` is ``batch_id_for(s, k)``; the same task always yields the
 same ids, samples, pixels and labels, whichever process runs it and however often.
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from conveyor.training.datasets import (
     EncodedSample,
     ImageBatch,
     LabelBatch,
+    TokenDataset,
     decode_image,
 )
 from conveyor.training.datasets.base import DEFAULT_CHANNELS
@@ -46,11 +49,11 @@ from conveyor.training.datasets.base import DEFAULT_CHANNELS
 class ShardSamples:
     """What :func:`read_shard` read, with when (unix seconds): arrays, or encoded images."""
 
-    x: ImageBatch | list[EncodedSample]
-    """uint8 [N, C, H, W] in the task's sample order, or the readable encoded samples in that
-    order (the bad ones left out)."""
+    x: ImageBatch | list[EncodedSample] | NDArray[np.int64]
+    """uint8 [N, C, H, W] in the task's sample order, the readable encoded samples in that
+    order (the bad ones left out), or int64 [N, T + 1] token sequences."""
     y: LabelBatch
-    """int64 [N], the labels of ``x``."""
+    """int64 [N], the labels of ``x`` (empty for token sequences: their targets are in x)."""
     read_start: float
     read_end: float
     bad: list[BadSample]
@@ -86,6 +89,11 @@ def read_shard(dataset: AnyDataset, task: ShardTask) -> ShardSamples:
     if not task.sample_ids:
         raise DatasetError(f"shard {task.shard_id} has no samples")
     read_start = time.time()
+    if isinstance(dataset, TokenDataset):
+        tokens = dataset.read(task.sample_ids)  # [N,T+1] int64
+        no_labels = np.empty(0, dtype=np.int64)
+        return ShardSamples(x=tokens, y=no_labels, read_start=read_start, read_end=time.time(),
+                            bad=[])  # fmt: skip
     if isinstance(dataset, Dataset):
         x, y = dataset.read(task.sample_ids)  # [N,C,H,W] uint8, [N] int64
         return ShardSamples(x=x, y=y, read_start=read_start, read_end=time.time(), bad=[])
@@ -116,16 +124,22 @@ def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -
     if task.split == "eval":
         augmenter = augmenter.for_eval()
     bad = list(samples.bad)
-    if isinstance(samples.x, np.ndarray):
+    x: NDArray[Any]
+    if isinstance(samples.x, np.ndarray) and samples.x.dtype == np.int64:
         ids = list(task.sample_ids)
-        x = augmenter.apply(samples.x, ids, seed=task.seed, epoch=task.epoch)  # [N,C,H,W]
+        x = samples.x[:, :-1].astype(np.int32)  # [N,T] inputs (TokenDataset keeps ids < 2^31)
+        y = np.ascontiguousarray(samples.x[:, 1:])  # [N,T] int64 next-token targets
+    elif isinstance(samples.x, np.ndarray):
+        ids = list(task.sample_ids)
+        images = cast(ImageBatch, samples.x)  # uint8: the token case is above
+        x = augmenter.apply(images, ids, seed=task.seed, epoch=task.epoch)  # [N,C,H,W]
         y = np.array(samples.y, dtype=np.int64)  # [N], a private copy
     else:
         channels = int(task.preprocess.get("channels") or DEFAULT_CHANNELS)
-        images, kept, decode_bad = _decode(samples.x, channels)
+        decoded, kept, decode_bad = _decode(samples.x, channels)
         bad.extend(decode_bad)
         ids = [samples.x[position].sample_id for position in kept]
-        x = augmenter.apply(images, ids, seed=task.seed, epoch=task.epoch)  # [N',C,H,W]
+        x = augmenter.apply(decoded, ids, seed=task.seed, epoch=task.epoch)  # [N',C,H,W]
         y = np.array(samples.y[kept], dtype=np.int64)  # [N']
     # Batches become views of one array; torch wants it contiguous and writable.
     if not (x.flags.c_contiguous and x.flags.writeable):
@@ -158,8 +172,8 @@ def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -
                 epoch=task.epoch,
                 split=task.split,
                 sample_ids=ids[start:end],
-                x=x_all[start:end],  # [B,C,H,W] uint8
-                y=y_all[start:end],  # [B] int64
+                x=x_all[start:end],  # [B,C,H,W] uint8 or [B,T] int32
+                y=y_all[start:end],  # [B] or [B,T] int64
                 timestamps=dict(timestamps),
             )
         )

@@ -275,14 +275,13 @@ class SharderService(Service):
             shape = output_shape(
                 dataset, image_size=preprocess.image_size, channels=preprocess.channels
             )
+            num_classes = dataset.num_classes  # a token file's vocabulary may be unknown
         except (ValueError, DatasetError) as exc:
             raise _PlanFailed(f"cannot plan dataset {uri}: {exc}") from exc
         try:
-            # Shapes only (meta device): an unknown option or a model with buffers, which the
-            # aggregator cannot aggregate, fails the job now rather than at training time.
-            build_job_model(
-                job.spec, num_classes=dataset.num_classes, sample_shape=shape, device="meta"
-            )
+            # Shapes only (meta device): an unknown option or a model whose state the gradient
+            # plane cannot carry fails the job now rather than at training time.
+            build_job_model(job.spec, num_classes=num_classes, sample_shape=shape, device="meta")
         except (ValueError, RuntimeError) as exc:
             raise _PlanFailed(f"cannot train model {job.spec.model.name!r}: {exc}") from exc
         return plan, shape, dataset

@@ -112,15 +112,22 @@ class Engine:
             time.sleep(self.simulated_delay_s)
 
     def _forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of ``model`` on ``x`` uint8 [B,C,H,W], ``y`` [B] and the
-        number of correct predictions, as a float32 tensor [2] (loss keeps its graph)."""
+        """Summed per-sample loss of ``model`` on a batch and its number of correct predictions,
+        as a float32 tensor [2] (loss keeps its graph). Images ``x`` uint8 [B,C,H,W] with labels
+        ``y`` [B]: cross-entropy. Token ids ``x`` int32 [B,T] with targets ``y`` [B,T]: a
+        sequence's loss is its mean next-token cross-entropy (so the eval loss is per token
+        and exp of it the perplexity), and nothing counts as correct."""
         if self.device.type == "cuda":
             # The batch was copied on a side stream; keep its memory until this stream is done.
             stream = torch.cuda.current_stream(self.device)
             x.record_stream(stream)
             y.record_stream(stream)
+        inputs = self.normalize(x) if x.dtype is torch.uint8 else x
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = model(self.normalize(x)).float()  # [B,num_classes]
+            logits = model(inputs).float()  # [B,num_classes] or [B,T,vocab_size]
+        if y.dim() == 2:
+            token_losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+            return torch.stack([token_losses / y.shape[1], torch.zeros_like(token_losses)])
         loss = F.cross_entropy(logits, y, reduction="sum")
         correct = (logits.detach().argmax(dim=1) == y).sum()
         return torch.stack([loss, correct.to(loss.dtype)])
@@ -135,7 +142,7 @@ class Engine:
         return time.perf_counter() - started
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> MicroResult:
-        """Add the gradient of the summed loss of batch ``x`` uint8 [B,C,H,W], ``y`` [B]."""
+        """Add the gradient of the summed loss of batch ``x``, ``y`` (see ``_forward``)."""
         started = time.perf_counter()
         self.model.train()
         loss_and_correct = self._forward(self.model, x, y)
@@ -146,9 +153,11 @@ class Engine:
 
     def gradient(self, num_samples: int) -> tuple[EncodedGrad, float]:
         """The gradient accumulated over ``num_samples`` samples, flattened, sliced and encoded
-        (slices on the CPU); clears the gradients. Returns it and the seconds it took."""
+        (slices on the CPU), with the model's running statistics times ``num_samples`` (the
+        aggregator averages them: departure 28); clears the gradients. Returns it and the
+        seconds it took."""
         started = time.perf_counter()
-        flat = self.layout.flatten_grads(self.model)  # [N]
+        flat = self.layout.flatten_grads(self.model, num_samples)  # [N]
         encoded = self.encoder.encode(flat, num_samples)  # -> K slices
         self.model.zero_grad(set_to_none=True)
         return encoded, time.perf_counter() - started

@@ -2,8 +2,8 @@
 
 :func:`prepare_job` is blocking (it builds the model): call it from the compute thread. Any
 problem that no retry can fix (an invalid spec or plan, an unknown model option, a model with
-buffers, no CUDA where the job demands it) raises :class:`JobFailure` with a reason for the
-``failed`` event.
+state the gradient plane cannot carry, no CUDA where the job demands it) raises
+:class:`JobFailure` with a reason for the ``failed`` event.
 """
 
 from __future__ import annotations
