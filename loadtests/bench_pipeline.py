@@ -139,11 +139,11 @@ def digits_spec(*, epochs: int, threads: int) -> dict[str, Any]:
 
 def total_steps(spec: dict[str, Any]) -> int:
     """Optimizer steps of the whole job (the dataset is opened to count its samples)."""
-    from conveyor.training.datasets import open_array_dataset
+    from conveyor.training.datasets import open_dataset
     from conveyor.training.jobspec import JobSpec
 
     job = JobSpec.from_dict(spec)
-    samples = open_array_dataset(job.dataset.uri).num_samples
+    samples = open_dataset(job.dataset.uri).num_samples
     train = samples - int(samples * job.dataset.eval_fraction)
     micro_batches = math.ceil(train / job.training.micro_batch_size)
     return job.training.epochs * math.ceil(micro_batches / job.micro_batches_per_step)
@@ -205,12 +205,15 @@ class HostBatch:
 
 
 class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
-    """A conveyor dataset read a micro-batch at a time (``__getitems__``), augmented like the
-    preprocessor does, returned collated as a :class:`HostBatch`."""
+    """A conveyor dataset read a micro-batch at a time (``__getitems__``), decoded (image files,
+    to ``channels``) and augmented like the preprocessor does, returned collated as a
+    :class:`HostBatch`."""
 
-    def __init__(self, dataset: Any, augmenter: Any, seed: int, *, numpy_transport: bool) -> None:
+    def __init__(
+        self, dataset: Any, augmenter: Any, seed: int, *, numpy_transport: bool, channels: int
+    ) -> None:
         self.dataset, self.augmenter, self.seed = dataset, augmenter, seed
-        self.numpy_transport = numpy_transport
+        self.numpy_transport, self.channels = numpy_transport, channels
 
     def __len__(self) -> int:
         return int(self.dataset.num_samples)
@@ -221,8 +224,17 @@ class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
     def __getitems__(self, indices: list[tuple[int, int, int]]) -> HostBatch:
         epoch, split = indices[0][0], indices[0][1]
         ids = [index[2] for index in indices]
-        x, y = self.dataset.read(ids)  # [B,C,H,W] uint8, [B] int64
-        x = np.ascontiguousarray(self.augmenter.apply(x, ids, seed=self.seed, epoch=epoch))
+        from conveyor.training.datasets import EncodedDataset, decode_image
+
+        if isinstance(self.dataset, EncodedDataset):
+            encoded, _bad = self.dataset.read_encoded(ids)  # the benchmark's files are sound
+            images = [decode_image(sample.data, channels=self.channels) for sample in encoded]
+            y = np.array([sample.label for sample in encoded], dtype=np.int64)  # [B]
+            x = self.augmenter.apply(images, ids, seed=self.seed, epoch=epoch)  # [B,C,H,W]
+        else:
+            x, y = self.dataset.read(ids)  # [B,C,H,W] uint8, [B] int64
+            x = self.augmenter.apply(x, ids, seed=self.seed, epoch=epoch)
+        x = np.ascontiguousarray(x)
         batch = HostBatch(x, y, epoch, split)
         if self.numpy_transport:
             return batch
@@ -249,7 +261,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
 
     from conveyor.services.preprocessor.work import augmenter_for
     from conveyor.services.trainer.compute.engine import resolve_device
-    from conveyor.training.datasets import open_array_dataset
+    from conveyor.training.datasets import open_dataset, output_shape
     from conveyor.training.jobspec import JobSpec
     from conveyor.training.models import build_model
     from conveyor.training.optim import build_optimizer
@@ -265,7 +277,11 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     if spec.resources.threads is not None:
         torch.set_num_threads(spec.resources.threads)
     device = resolve_device(spec.resources.device)
-    dataset = open_array_dataset(spec.dataset.uri)
+    dataset = open_dataset(spec.dataset.uri)
+    preprocess = spec.preprocess
+    channels, height, width = output_shape(
+        dataset, image_size=preprocess.image_size, channels=preprocess.channels
+    )
     train_ids, eval_ids = split_ids(dataset.num_samples, spec.dataset.eval_fraction, training.seed)
     order = ReleaseOrder(train_ids, eval_ids, training.micro_batch_size, training.seed)
     loader = torch.utils.data.DataLoader(
@@ -274,6 +290,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
             augmenter_for(spec_dict["preprocess"]),
             training.seed,
             numpy_transport=config["transport"] == "numpy",
+            channels=channels,
         ),
         batch_sampler=order,
         num_workers=workers,
@@ -283,7 +300,6 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
         persistent_workers=workers > 0,
         prefetch_factor=int(config["prefetch_factor"]) if workers > 0 else None,
     )
-    channels, height, width = dataset.sample_shape
     torch.manual_seed(training.seed)
     options = {
         k: v for k, v in spec.model.options.items() if k not in ("num_classes", "in_channels")
@@ -379,7 +395,9 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_baseline(spec: dict[str, Any], args: argparse.Namespace, warmup: int) -> dict[str, Any]:
+def run_baseline(
+    spec: dict[str, Any], args: argparse.Namespace, warmup: int, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The DataLoader baseline in a fresh process (its own peak RSS, no state from earlier
     runs); its result is the last line of its output."""
     config = {
@@ -397,6 +415,7 @@ def run_baseline(spec: dict[str, Any], args: argparse.Namespace, warmup: int) ->
         timeout=JOB_TIMEOUT_S,
         check=False,
         start_new_session=True,  # see own_session
+        env={**os.environ, **(env or {})},
     )
     if result.returncode != 0:
         raise RuntimeError(f"baseline failed ({result.returncode}): {result.stderr[-3000:]}")
@@ -417,14 +436,21 @@ def trainer_threads(pid: int) -> dict[str, float | None]:
 
 
 def run_conveyor(
-    spec: dict[str, Any], args: argparse.Namespace, warmup: int, use_scale: bool
+    spec: dict[str, Any],
+    args: argparse.Namespace,
+    warmup: int,
+    use_scale: bool,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Start a fresh stack, submit ``spec`` through the gateway, follow it to its end."""
+    """Start a fresh stack (``env`` added to its services' environment), submit ``spec``
+    through the gateway, follow it to its end."""
     from conveyor.cli.client import GatewayClient
     from conveyor.platform.config import KafkaSettings
     from conveyor.training.jobspec import JobSpec
 
-    stack = ConveyorStack(preprocessors=args.preprocessors, env=TRAINER_ENV, use_scale=use_scale)
+    stack = ConveyorStack(
+        preprocessors=args.preprocessors, env={**TRAINER_ENV, **(env or {})}, use_scale=use_scale
+    )
     watcher: JobWatcher | None = None
     try:
         stack.start()
@@ -532,6 +558,8 @@ class Scenario:
     description: str
     spec: dict[str, Any]
     warmup_steps: int
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to both systems' environment (e.g. the stack's dataset roots)."""
     runs: dict[str, list[dict[str, Any]]] = field(
         default_factory=lambda: {"dataloader": [], "conveyor": []}
     )
@@ -569,9 +597,11 @@ def bench_scenario(
         for system in order:
             started = time.monotonic()
             if system == "conveyor":
-                result = run_conveyor(scenario.spec, args, scenario.warmup_steps, use_scale)
+                result = run_conveyor(
+                    scenario.spec, args, scenario.warmup_steps, use_scale, scenario.env
+                )
             else:
-                result = run_baseline(scenario.spec, args, scenario.warmup_steps)
+                result = run_baseline(scenario.spec, args, scenario.warmup_steps, scenario.env)
             scenario.runs[system].append(result)
             load.append(os.getloadavg()[0])
             err.log(
