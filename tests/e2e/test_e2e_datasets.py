@@ -127,11 +127,14 @@ def test_bad_images_are_skipped_and_fail_the_job_past_the_limit(
     assert job["state"] == "failed"
     assert "3 samples failed validation, more than dataset.max_bad_samples=2" in job["reason"]
     assert all(str(path) in job["reason"] for path in corrupted), job["reason"]
+    assert job["skipped_samples"] == 3  # the gateway's view of the samples_skipped events
     spec["dataset"]["max_bad_samples"] = 3
     job = train(stack, {**spec, "name": "few-bad"})
     plan = job["plan"]
     bad_train = len(set(stack.train_ids(job)) & set(_ids_of(corrupted)))
     assert job["summary"]["samples"] == (plan["num_train"] - bad_train) * 2
+    assert job["skipped_samples"] == 3 and len(job["skipped_reasons"]) == 3
+    assert all(any(str(path) in r for r in job["skipped_reasons"]) for path in corrupted)
 
 
 def _ids_of(paths: list[Path]) -> list[int]:

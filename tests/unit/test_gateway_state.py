@@ -240,3 +240,16 @@ def test_a_spec_without_training_section_still_reports_progress() -> None:
     view = fold(ev("a", "submitted", spec={"name": "odd"}), ev("a", "planned", steps_per_epoch=4))
     progress = view.get("a").progress()  # type: ignore[union-attr]
     assert (progress["epochs"], progress["total_steps"]) == (0, 0)
+
+
+def test_skipped_samples_are_counted_once_with_their_first_reasons() -> None:
+    view = fold(
+        submitted("j"),
+        ev("j", "samples_skipped", shard_id="s0", sample_ids=[4, 9], reasons=["a.png: bad"]),
+        ev("j", "samples_skipped", shard_id="s0", sample_ids=[4, 9], reasons=["a.png: bad"]),
+        ev("j", "samples_skipped", shard_id="s3", sample_ids=[9, 12],
+           reasons=["a.png: bad", "c.png: truncated"]),
+    )  # fmt: skip
+    job = view.get("j")
+    assert job is not None and job.skipped_ids == {4, 9, 12}
+    assert job.skipped_reasons == ["a.png: bad", "c.png: truncated"]

@@ -48,9 +48,11 @@ from conveyor.platform.messages import (
     JobPlanned,
     JobSubmitted,
     Message,
+    SamplesSkipped,
     TrainerJoined,
     TrainerProgress,
 )
+from conveyor.platform.messages.job_events import MAX_SKIPPED_REASONS
 from conveyor.platform.telemetry import counter, gauge
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,10 @@ class JobView:
     """The latest report of the job's coordinator (job totals), if any."""
     epochs: dict[int, dict[str, Any]] = field(default_factory=dict)
     """epoch -> {eval_loss, eval_accuracy, train_loss} from epoch_completed."""
+    skipped_ids: set[int] = field(default_factory=set)
+    """Distinct samples the preprocessors left out (samples_skipped: failed validation)."""
+    skipped_reasons: list[str] = field(default_factory=list)
+    """``<file>: <reason>`` of the first of them (at most ``MAX_SKIPPED_REASONS``)."""
     stage_samples_s: dict[str, deque[float]] = field(default_factory=dict)
 
     @property
@@ -287,6 +293,14 @@ def _apply(job: JobView, event: JobEvent) -> bool:
         case JobFailed():
             job.reason = event.reason
             job.state = "failed"
+            return True
+        case SamplesSkipped():
+            new = set(event.sample_ids) - job.skipped_ids
+            if not new:  # a redelivered shard or a later epoch reports the same samples
+                return False
+            job.skipped_ids |= new
+            room = MAX_SKIPPED_REASONS - len(job.skipped_reasons)
+            job.skipped_reasons += [r for r in event.reasons if r not in job.skipped_reasons][:room]
             return True
         case CancelRequested():
             if job.cancel_requested:

@@ -58,6 +58,11 @@ class Job(BaseModel):
     epochs: list[EpochResult]
     plan: dict[str, Any] | None = Field(description="The sharder's plan (data of 'planned').")
     summary: dict[str, Any] | None = Field(description="Final summary once completed.")
+    skipped_samples: int = Field(
+        description="Distinct samples left out because they failed validation (corrupt "
+        "image, bad tar member...); past dataset.max_bad_samples the job fails."
+    )
+    skipped_reasons: list[str] = Field(description="'<file>: <reason>' of the first of them.")
     spec: dict[str, Any]
 
     @classmethod
@@ -78,6 +83,8 @@ class Job(BaseModel):
             ],
             plan=None if view.plan is None else view.plan.details(),
             summary=view.summary,
+            skipped_samples=len(view.skipped_ids),
+            skipped_reasons=list(view.skipped_reasons),
             spec=view.spec,
         )
 
