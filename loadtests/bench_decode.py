@@ -41,6 +41,7 @@ from rich.console import Console
 from loadtests._bench_common import scale_supported
 from loadtests.bench_pipeline import (
     Scenario,
+    add_system_arguments,
     bench_scenario,
     footer,
     median_of,
@@ -109,15 +110,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 repeat, fewer images")
     parser.add_argument("--images", type=int, default=2048, help="JPEG files written")
     parser.add_argument("--epochs", type=int, default=2)
-    cores = os.cpu_count() or 1
-    parser.add_argument(
-        "--workers", type=int, default=max(1, min(4, cores - 1)), help="DataLoader workers"
-    )
-    parser.add_argument("--preprocessors", type=int, help="Conveyor preprocessor processes")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of both trainers")
-    parser.add_argument("--prefetch-factor", type=int, default=4)
-    parser.add_argument("--baseline-transport", choices=("numpy", "tensor"), default="numpy")
-    parser.add_argument("--warmup-steps", type=int, help="default: 10%% of the job's steps")
+    add_system_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.images = 1, 768

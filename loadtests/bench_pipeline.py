@@ -754,21 +754,9 @@ def footer(args: argparse.Namespace, use_scale: bool, load: list[float]) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-config", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--scenarios", default="synthetic,light,digits", help="any of synthetic,light,digits"
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, a smaller job")
-    parser.add_argument("--n", type=int, default=8192, help="synthetic samples")
-    parser.add_argument("--epochs", type=int, default=2, help="synthetic epochs")
-    parser.add_argument("--cost-ms", type=float, default=1.0, help="cpu_cost per sample (ms)")
-    parser.add_argument(
-        "--light-cost-ms", type=float, default=0.25, help="cpu_cost per sample of `light` (ms)"
-    )
-    parser.add_argument("--digits-epochs", type=int, default=12)
+def add_system_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the two systems a side-by-side run compares (what ``run_conveyor``,
+    ``run_baseline``, ``bench_scenario`` and ``footer`` read), shared with bench_decode."""
     cores = os.cpu_count() or 1
     parser.add_argument(
         "--workers", type=int, default=max(1, min(4, cores - 1)), help="DataLoader workers"
@@ -784,6 +772,24 @@ def main() -> None:
         "the faster here) or tensors (torch's shared-memory hand-over, one fd per tensor)",
     )
     parser.add_argument("--warmup-steps", type=int, help="default: 10%% of the job's steps")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-config", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--scenarios", default="synthetic,light,digits", help="any of synthetic,light,digits"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, a smaller job")
+    parser.add_argument("--n", type=int, default=8192, help="synthetic samples")
+    parser.add_argument("--epochs", type=int, default=2, help="synthetic epochs")
+    parser.add_argument("--cost-ms", type=float, default=1.0, help="cpu_cost per sample (ms)")
+    parser.add_argument(
+        "--light-cost-ms", type=float, default=0.25, help="cpu_cost per sample of `light` (ms)"
+    )
+    parser.add_argument("--digits-epochs", type=int, default=12)
+    add_system_arguments(parser)
     args = parser.parse_args()
     if args.baseline_config:
         print(json.dumps(baseline_main(json.loads(args.baseline_config))))
