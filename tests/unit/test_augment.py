@@ -222,3 +222,17 @@ def test_images_of_several_sizes_need_an_output_size() -> None:
         build_augmenter([{"name": "hflip"}]).apply(images, [0, 1], seed=0, epoch=0)
     with pytest.raises(ValueError, match=r"image_size must be \[H, W\]"):
         build_augmenter([], image_size=(0, 5))
+
+
+def test_the_eval_fit_box_stays_inside_images_where_floats_round_up() -> None:
+    """A 392x392 image fitted to 64x64: height / (height / h) rounds to a hair over 392, and
+    Pillow refused the box ("box offset can't be negative"), failing evaluation shards."""
+    from conveyor.services.preprocessor.image_ops import center_fit_box
+
+    for h, w in [(392, 392), (392, 400), (257, 391)]:
+        left, top, right, bottom = center_fit_box((h, w), (64, 64))
+        assert 0 <= left and 0 <= top and right <= w and bottom <= h
+    image = np.random.default_rng(0).integers(0, 256, (4, 3, 392, 392), dtype=np.uint8)
+    augment = [{"name": "random_resized_crop"}, {"name": "hflip"}]
+    sized = build_augmenter(augment, image_size=(64, 64)).for_eval()
+    assert sized.apply(list(image), range(4), seed=0, epoch=0).shape == (4, 3, 64, 64)

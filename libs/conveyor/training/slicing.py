@@ -44,8 +44,8 @@ class ParamEntry:
     numel: int
     """Its number of elements."""
     statistic: bool = False
-    """A floating-point buffer (running statistics): averaged across trainers, never given
-    to the optimizer."""
+    """A floating-point buffer (running statistics): its new value is the trainers'
+    sample-weighted mean, not an optimizer step's."""
 
 
 def slice_bounds(numel: int, num_slices: int) -> list[tuple[int, int]]:

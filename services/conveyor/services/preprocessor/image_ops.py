@@ -48,7 +48,9 @@ def center_fit_box(image_hw: tuple[int, int], size: tuple[int, int]) -> Box:
     h, w = image_hw
     height, width = size
     scale = max(height / h, width / w)
-    box_h, box_w = height / scale, width / scale
+    # height / (height / h) can round to a hair over h (392 -> 392.00000000000006 for 64):
+    # Pillow refuses a box that leaves the image, so the box is kept inside it.
+    box_h, box_w = min(h, height / scale), min(w, width / scale)
     top, left = (h - box_h) / 2, (w - box_w) / 2
     return (left, top, left + box_w, top + box_h)
 
