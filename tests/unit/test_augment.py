@@ -231,7 +231,7 @@ def test_the_eval_fit_box_stays_inside_images_where_floats_round_up() -> None:
 
     for h, w in [(392, 392), (392, 400), (257, 391)]:
         left, top, right, bottom = center_fit_box((h, w), (64, 64))
-        assert 0 <= left and 0 <= top and right <= w and bottom <= h
+        assert left >= 0 and top >= 0 and right <= w and bottom <= h
     image = np.random.default_rng(0).integers(0, 256, (4, 3, 392, 392), dtype=np.uint8)
     augment = [{"name": "random_resized_crop"}, {"name": "hflip"}]
     sized = build_augmenter(augment, image_size=(64, 64)).for_eval()
