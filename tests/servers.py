@@ -1,0 +1,23 @@
+"""Real servers and tools the tests run when the machine has them (Debian's prometheus,
+chromium): a test skips without one, except in CI, where ``.ci/run`` installs them and sets
+``CONVEYOR_REQUIRE_SERVERS`` so that a missing one fails the test instead."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def require_binary(*names: str, install: str) -> str:
+    """The path of the first of ``names`` on PATH; skip (fail under
+    ``CONVEYOR_REQUIRE_SERVERS``) naming ``install`` when none is there."""
+    for name in names:
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    message = f"{' / '.join(names)} not installed: {install}"
+    if os.environ.get("CONVEYOR_REQUIRE_SERVERS"):
+        pytest.fail(f"required here (CONVEYOR_REQUIRE_SERVERS): {message}")
+    pytest.skip(message)
