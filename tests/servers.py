@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -21,3 +22,27 @@ def require_binary(*names: str, install: str) -> str:
     if os.environ.get("CONVEYOR_REQUIRE_SERVERS"):
         pytest.fail(f"required here (CONVEYOR_REQUIRE_SERVERS): {message}")
     pytest.skip(message)
+
+
+def headless_chromium(url: str, *action: str, timeout_s: float = 60.0) -> str:
+    """Run headless Chromium once on ``url`` with ``action`` (``--dump-dom`` and/or
+    ``--screenshot=PATH``: one launch does both); its standard output (the DOM for
+    ``--dump-dom``)."""
+    binary = require_binary("chromium", "chromium-browser", install="apt-get install chromium")
+    done = subprocess.run(
+        [
+            binary,
+            "--headless",
+            "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1000,1300",
+            *action,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

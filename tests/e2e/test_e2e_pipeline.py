@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from e2e_stack import (
@@ -38,8 +39,9 @@ from e2e_stack import (
     write_digits_npz,
 )
 from ledger_check import assert_exactly_once
+from PIL import Image
 from prometheus_server import DASHBOARD, PrometheusServer
-from servers import require_binary
+from servers import headless_chromium, require_binary
 
 from conveyor.embedded import registry
 from conveyor.embedded.report import probe_stack
@@ -221,6 +223,46 @@ def test_prometheus_scrapes_every_service_and_answers_every_dashboard_panel(
         if _panel_needs_data(target["expr"]) and not during_run(target["expr"])
     ]
     assert not empty, f"dashboard queries without data: {empty}"
+
+
+def _polylines(html: str) -> list[tuple[str, str, str]]:
+    """(series, point count, points) of every chart line in a page."""
+    return re.findall(r'<polyline data-series="([^"]+)" data-points="(\d+)" points="([^"]+)"', html)
+
+
+def test_the_job_page_renders_in_chromium_and_the_report_draws_the_same_curves(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    (job,) = [j for j in stack.gateway.jobs(state="completed") if j["name"] == "ledger-normal"]
+    url = f"{stack.state.gateway_url}/jobs/{job['id']}"
+    shot = tmp_path / "page.png"
+    dom = headless_chromium(url, "--dump-dom", f"--screenshot={shot}")
+    assert f'<code id="job-id">{job["id"]}</code>' in dom
+    assert '<span class="state" id="job-state">completed</span>' in dom
+    lines = _polylines(dom)
+    # One point per epoch on each curve; the table shows the last epoch's accuracy.
+    assert [(series, count) for series, count, _ in lines] == [
+        ("train loss", "2"), ("eval loss", "2"), ("eval accuracy", "2"),
+    ]  # fmt: skip
+    assert f"<td>{job['epochs'][1]['eval_accuracy']:.4g}</td></tr></tbody></table>" in dom
+    assert "compute: " in dom and " ms (" in dom  # the step-time parts the trainer reported
+    with Image.open(shot) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    assert pixels.shape[:2] == (1300, 1000)
+    drawn = (pixels < 200).any(axis=2)  # not white or near-white
+    assert drawn.mean() > 0.02, f"screenshot nearly blank: {drawn.mean():.2%} drawn"
+    blue = (np.abs(pixels.astype(int) - (0x1F, 0x77, 0xB4)).sum(axis=2) < 30).sum()
+    assert blue > 200, "no curve in the first series' colour"
+    # The jobs list links to the page.
+    listing = httpx.get(f"{stack.state.gateway_url}/jobs", timeout=10).text
+    assert f'href="/jobs/{job["id"]}"' in listing
+
+    report = tmp_path / "report.html"
+    cli = ("--state-dir", str(stack.state_dir), "--output", str(report))
+    written = conveyor("report", job["id"], *cli, env=stack.env)
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.strip() == str(report)
+    assert _polylines(report.read_text()) == lines
 
 
 def test_npz_dataset_in_s3_trains_every_sample_exactly_once(
