@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
+
 from conveyor.training.jobreport import ReportLinks, job_page, jobs_page, line_chart
 
 
@@ -60,6 +62,11 @@ def test_live_pages_reload_and_link_to_traces_and_the_dashboard() -> None:
     grafana = "http://grafana:3000/d/conveyor-overview/conveyor-overview?from=1700000000000"
     assert f'href="{grafana}&amp;to=now"' in html
     assert '<a href="/jobs">All jobs</a>' in html
+
+
+def test_links_must_be_web_addresses() -> None:
+    with pytest.raises(ValueError, match="grafana_url must be an http"):
+        ReportLinks(grafana_url="localhost:3000")
 
 
 def test_a_job_without_epochs_or_steps_yet_says_so() -> None:

@@ -39,11 +39,11 @@ def register(app: typer.Typer) -> None:
         """Write JOB's report (state, progress, loss and accuracy per epoch, step-time
         breakdown, stage latencies, links) as one self-contained HTML file; prints its path."""
         try:
+            links = ReportLinks(jaeger_url=jaeger_url, grafana_url=grafana_url)
             with gateway_for(state_dir, gateway, token, start=False) as client:
                 job, stages = client.job(job_id), client.stages(job_id)
-        except ConveyorError as exc:
+        except (ConveyorError, ValueError) as exc:
             fail(str(exc))
-        links = ReportLinks(jaeger_url=jaeger_url, grafana_url=grafana_url)
         path = output if output is not None else Path(f"report-{job_id}.html")
         try:
             path.write_text(job_page(job, stages, links=links), encoding="utf-8")

@@ -50,6 +50,12 @@ class ReportLinks:
     grafana_url: str | None = None
     """Base URL of Grafana (``http://localhost:3000``)."""
 
+    def __post_init__(self) -> None:
+        for name in ("jaeger_url", "grafana_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
+
     def for_job(self, job: Mapping[str, Any]) -> dict[str, str]:
         """{label: URL}: the job's traces (its spans carry ``conveyor.job_id``) and the
         dashboard over the job's time span."""

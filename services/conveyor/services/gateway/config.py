@@ -60,11 +60,11 @@ class GatewaySettings(_FileAwareSettings):
     stage_window: Annotated[int, Field(ge=1, le=100_000)] = Field(
         default=256, description="Progress reports per stage kept for latency percentiles."
     )
-    jaeger_url: str | None = Field(
+    jaeger_url: Annotated[str, Field(pattern=r"^https?://\S+$")] | None = Field(
         default=None,
         description="Base URL of the Jaeger UI; the job page links to the job's traces there.",
     )
-    grafana_url: str | None = Field(
+    grafana_url: Annotated[str, Field(pattern=r"^https?://\S+$")] | None = Field(
         default=None,
         description="Base URL of Grafana; the job page links to the Conveyor dashboard there.",
     )
