@@ -81,9 +81,10 @@ def test_statistics_take_the_sample_weighted_mean_instead_of_a_step() -> None:
     owner.add(grad_slice("a:0", 0, torch.tensor([1.0, 1.0, 0.5 * 3, 2.0 * 3])), "a")
     owner.add(grad_slice("b:0", 0, torch.tensor([1.0, 1.0, 1.5 * 1, 6.0 * 1])), "b")
     owner.apply(close(1, [("a:0", 3), ("b:0", 1)]))
-    # statistics: (0.5 * 3 + 1.5) / 4 = 0.75, (2 * 3 + 6) / 4 = 3; parameters: one SGD step
+    # statistics: (0.5 * 3 + 1.5) / 4 = 0.75, (2 * 3 + 6) / 4 = 3
     torch.testing.assert_close(owner.values[2:], torch.tensor([0.75, 3.0]))
-    torch.testing.assert_close(owner.values[:2], torch.full((2,), 1 - 0.1 * (0.5 + 0.1)))
+    # parameters: one SGD step at the close's lr 0.5 on grad 2 / 4 plus weight decay 0.1 x 1
+    torch.testing.assert_close(owner.values[:2], torch.full((2,), 1 - 0.5 * (0.5 + 0.1)))
     owner.apply(close(2, [("c:0", 0)]))  # a step without samples keeps them
     torch.testing.assert_close(owner.values[2:], torch.tensor([0.75, 3.0]))
     with pytest.raises(ValueError, match="outside a slice"):
