@@ -428,3 +428,14 @@ def test_report_refuses_a_link_that_is_not_a_web_address(tmp_path: Path) -> None
     assert result.exit_code == 1
     assert "grafana_url must be an http:// or https:// URL" in result.output
     assert not output.exists()
+
+
+def test_the_run_summary_keeps_a_language_models_perplexity() -> None:
+    from conveyor.cli.jobs import SUMMARY_FIELDS, summary_of
+
+    reported = {key: None for key in SUMMARY_FIELDS} | {"eval_loss": 2.4, "eval_perplexity": 11.0}
+    job = {"id": "j", "state": "completed", "summary": reported}
+    summary = summary_of(job)
+    assert summary["eval_perplexity"] == 11.0 and summary["eval_loss"] == 2.4
+    image_job = {**job, "summary": {k: v for k, v in reported.items() if k != "eval_perplexity"}}
+    assert "eval_perplexity" not in summary_of(image_job)  # image classifiers have none
