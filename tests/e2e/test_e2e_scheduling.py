@@ -1,0 +1,113 @@
+"""Scheduling end to end: a pool of three trainers (`--scale trainer=3`, each slowed to a
+simulated accelerator so that jobs overlap), jobs asking 2, 1 and 1 trainers submitted at once
+with one of a higher priority, an elastic job that grows when trainers free up and shrinks for
+a higher-priority job. Every job completes with an exact ledger: each train sample once per
+epoch, across every change of its trainers.
+
+The gateway's view is sampled every 0.1 s (``GET /v1/queue``) to check what ran together.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from e2e_stack import RunningStack, digits_spec, running_stack, wait_for
+from ledger_check import assert_exactly_once
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+STEP_DELAY_S = 0.02
+"""Simulated extra compute per micro-batch: a job's steps take long enough to overlap."""
+DATASET = "synthetic://?n=320&shape=1x8x8&classes=10&seed=1"
+"""256 train samples: 8 micro-batches of 32 an epoch."""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    with running_stack(
+        tmp_path_factory.mktemp("scheduling") / "state",
+        args=["--scale", "trainer=3"],
+        env={"CONVEYOR_TRAINER_SIMULATED_STEP_DELAY_S": str(STEP_DELAY_S)},
+    ) as running:
+        yield running
+
+
+def job_spec(name: str, *, epochs: int, priority: int = 0, **trainers: int) -> dict[str, Any]:
+    return digits_spec(
+        name,
+        epochs=epochs,
+        priority=priority,
+        dataset={"uri": DATASET, "eval_fraction": 0.2},
+        distribution={"aggregator_shards": 1, **trainers},
+    )
+
+
+class Sampler:
+    """Samples ``GET /v1/queue`` in a thread: {job name: trainers} and the queue, over time."""
+
+    def __init__(self, stack: RunningStack) -> None:
+        self._stack = stack
+        self.samples: list[tuple[dict[str, int], list[tuple[str, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            queue = self._stack.gateway.queue()
+            placed = {job["name"]: len(job["trainers"]) for job in queue["placed"]}
+            self.samples.append((placed, [(j["name"], j["position"]) for j in queue["queued"]]))
+
+    def latest(self) -> tuple[dict[str, int], list[tuple[str, int]]]:
+        return self.samples[-1] if self.samples else ({}, [])
+
+
+def test_jobs_share_the_pool_by_priority_then_fifo_and_train_exactly_once(
+    stack: RunningStack,
+) -> None:
+    wait_for(lambda: stack.gateway.queue()["pool_size"] == 3, timeout_s=30, what="3 trainers")
+    with Sampler(stack) as sampler:
+        ids = {
+            "pair": stack.submit(job_spec("pair", epochs=2, trainers=2)),
+            "elastic": stack.submit(
+                job_spec("elastic", epochs=12, trainers=1, min_trainers=1, max_trainers=3)
+            ),
+            "urgent": stack.submit(job_spec("urgent", epochs=2, priority=1, trainers=1)),
+        }
+        # urgent (priority 1) and pair (first in) run together; elastic waits, first in line.
+        wait_for(
+            lambda: sampler.latest() == ({"urgent": 1, "pair": 2}, [("elastic", 1)]),
+            timeout_s=30,
+            what="urgent and pair placed, elastic queued",
+        )
+        assert stack.job(ids["elastic"])["state"] == "queued"
+        # Both end; the elastic job starts on a freed trainer and grows to its most, 3.
+        wait_for(lambda: sampler.latest()[0] == {"elastic": 3}, timeout_s=60, what="growth to 3")
+        # A job of a higher priority takes two of them: the elastic job shrinks to its minimum.
+        ids["high"] = stack.submit(job_spec("high", epochs=1, priority=5, trainers=2))
+        wait_for(
+            lambda: sampler.latest()[0] == {"high": 2, "elastic": 1},
+            timeout_s=30,
+            what="elastic shrunk for high",
+        )
+        jobs = {name: stack.wait_job(job_id, timeout_s=120) for name, job_id in ids.items()}
+
+    for name, job in jobs.items():
+        assert job["state"] == "completed", (name, job.get("reason"))
+        epochs = job["spec"]["training"]["epochs"]
+        assert_exactly_once(stack.ledger(job["id"]), stack.train_ids(job), epochs=epochs)
+    # Never more trainers placed than the pool has, and elastic never ran beside both others.
+    assert all(sum(placed.values()) <= 3 for placed, _ in sampler.samples)
+    assert not any({"urgent", "pair", "elastic"} <= set(placed) for placed, _ in sampler.samples)
+    # The elastic job was still running when it shrank: it lost and repeated nothing above.
+    assert jobs["elastic"]["summary"]["epochs"] == 12
