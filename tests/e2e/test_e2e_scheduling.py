@@ -1,20 +1,22 @@
 """Scheduling end to end: a pool of three trainers (`--scale trainer=3`, each slowed to a
 simulated accelerator so that jobs overlap), jobs asking 2, 1 and 1 trainers submitted at once
 with one of a higher priority, an elastic job that grows when trainers free up and shrinks for
-a higher-priority job. Every job completes with an exact ledger: each train sample once per
-epoch, across every change of its trainers.
+a higher-priority job, and a job asking for more trainers than the pool has, which waits at
+the tail of the queue (shown by `conveyor jobs`) until it is cancelled. Every job completes
+with an exact ledger: each train sample once per epoch, across every change of its trainers.
 
 The gateway's view is sampled every 0.1 s (``GET /v1/queue``) to check what ran together.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_stack import RunningStack, digits_spec, running_stack, wait_for
+from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_for
 from ledger_check import assert_exactly_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -84,9 +86,13 @@ def test_jobs_share_the_pool_by_priority_then_fifo_and_train_exactly_once(
             ),
             "urgent": stack.submit(job_spec("urgent", epochs=2, priority=1, trainers=1)),
         }
+        # Ranked last, it holds back no one; asking 4 of 3 trainers, it never starts.
+        too_big = stack.submit(job_spec("too-big", epochs=1, priority=-1, trainers=4))
         # urgent (priority 1) and pair (first in) run together; elastic waits, first in line.
         wait_for(
-            lambda: sampler.latest() == ({"urgent": 1, "pair": 2}, [("elastic", 1)]),
+            lambda: (
+                sampler.latest() == ({"urgent": 1, "pair": 2}, [("elastic", 1), ("too-big", 2)])
+            ),
             timeout_s=30,
             what="urgent and pair placed, elastic queued",
         )
@@ -102,12 +108,23 @@ def test_jobs_share_the_pool_by_priority_then_fifo_and_train_exactly_once(
         )
         jobs = {name: stack.wait_job(job_id, timeout_s=120) for name, job_id in ids.items()}
 
+    cli = ("jobs", "--state", "queued", "--state-dir", str(stack.state_dir))
+    listed = conveyor(*cli, "--json", env=stack.env)
+    assert listed.returncode == 0, listed.stderr
+    queued = [(j["id"], j["state"], j["queue_position"]) for j in json.loads(listed.stdout)["jobs"]]
+    assert queued == [(too_big, "queued", 1)]
+    table = conveyor(*cli, env={**stack.env, "COLUMNS": "200"})
+    assert "queued #1" in table.stdout, table.stdout
+    stack.gateway.cancel(too_big)
+    assert stack.wait_job(too_big, timeout_s=30)["state"] == "cancelled"
+
     for name, job in jobs.items():
         assert job["state"] == "completed", (name, job.get("reason"))
         epochs = job["spec"]["training"]["epochs"]
         assert_exactly_once(stack.ledger(job["id"]), stack.train_ids(job), epochs=epochs)
     # Never more trainers placed than the pool has, and elastic never ran beside both others.
     assert all(sum(placed.values()) <= 3 for placed, _ in sampler.samples)
+    assert not any("too-big" in placed for placed, _ in sampler.samples)
     assert not any({"urgent", "pair", "elastic"} <= set(placed) for placed, _ in sampler.samples)
     # The elastic job was still running when it shrank: it lost and repeated nothing above.
     assert jobs["elastic"]["summary"]["epochs"] == 12
