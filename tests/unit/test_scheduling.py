@@ -174,3 +174,19 @@ def test_the_view_schedules_servable_jobs_on_the_live_pool() -> None:
     view.apply(job_event("a", "completed", at=6.0, summary={}))
     view.apply_presence(presence("t0", 6.0, "a"))  # still letting a go: free for the schedule
     assert view.schedule().queue == () and counts(view.schedule()) == {"b": 1, "c": 1}
+
+
+def test_a_job_counts_as_started_once_a_trainer_joined_not_on_coordinator_progress() -> None:
+    view = JobsView()
+    for job_id, at, trainers in (("first", 1.0, 1), ("too-big", 2.0, 4)):
+        view.apply(job_event(job_id, "submitted", at=at, spec={
+            **SPEC, "distribution": {"trainers": trainers}}, idempotency_key=None))  # fmt: skip
+        view.apply(job_event(job_id, "planned", at=at))
+    view.apply(job_event("too-big", "progress", at=3.0))  # its coordinator, no trainer
+    for worker in ("t0", "t1", "t2"):
+        view.apply_presence(presence(worker, 3.0))
+    result = view.schedule()
+    assert counts(result) == {"first": 1} and result.queue == ("too-big",)
+    view.apply(job_event("too-big", "running", at=4.0, worker_id="t9"))  # a trainer joined
+    started = view.schedule()  # started: it keeps what it can get, before any waiting job
+    assert counts(started) == {"too-big": 3} and started.queue == ("first",)

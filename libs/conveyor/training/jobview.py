@@ -222,7 +222,9 @@ class JobsView:
         servable = [job for job in self._jobs.values() if job.servable and job.demand]
         return schedule(
             (job.demand for job in servable if job.demand is not None),
-            frozenset(job.job_id for job in servable if job.state == "running"),
+            # Started: a trainer joined. Not the running state, which the coordinator's
+            # progress also sets (the aggregators host every job, placed on trainers or not).
+            frozenset(job.job_id for job in servable if job.workers),
             self.pool.live(),
         )
 
