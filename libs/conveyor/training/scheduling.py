@@ -17,8 +17,9 @@ The rules, in this order:
    overtaking): these are the queue, in rank order.
 4. Trainers left over go to the admitted jobs in rank order: first up to what each wants
    (``distribution.trainers``), then up to its most (``max_trainers``). An elastic job thus
-   grows when trainers free up, and shrinks back towards its minimum when a job ranked above it
-   needs them (its extras are counted after that job's minimum).
+   grows when trainers free up, and shrinks back towards its minimum when a waiting job can
+   start with them (extras are counted after every admitted job's minimum: a job of a higher
+   priority, or the next in line of the same one).
 5. Placement is sticky: a trainer already on a job stays while the job's count keeps it
    (lowest ids first); the others, lowest id first, fill the jobs in rank order.
 """
