@@ -19,7 +19,6 @@ one whenever the job it hosts changes, one every third of ``presence_ttl_s``, an
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +33,6 @@ from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.runner import JobRunner
 from conveyor.training.jobhost import JobHostService
 from conveyor.training.jobview import JobView
-
-logger = logging.getLogger(__name__)
 
 _PRESENCE_CHECK_S = 0.2
 """How often the presence loop looks for a change of the hosted job."""
