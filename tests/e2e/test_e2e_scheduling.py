@@ -31,7 +31,8 @@ DATASET = "synthetic://?n=320&shape=1x8x8&classes=10&seed=1"
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     with running_stack(
         tmp_path_factory.mktemp("scheduling") / "state",
-        args=["--scale", "trainer=3"],
+        # No checkpointer: nothing here reads a checkpoint, and one process fewer to start.
+        args=["--scale", "trainer=3", "--scale", "checkpointer=0"],
         env={"CONVEYOR_TRAINER_SIMULATED_STEP_DELAY_S": str(STEP_DELAY_S)},
     ) as running:
         yield running
