@@ -264,13 +264,15 @@ class Coordinator:
 
     def allocation(self, now: float) -> dict[str, int]:
         """Micro-batches per live member for the next step (empty without live members):
-        adaptive: proportional to each one's throughput; equal: an equal split."""
+        adaptive: proportional to each one's throughput; equal: an equal split. With more
+        members than micro-batches per step, members take turns (the next version is the
+        turn), so a step never holds more than the global batch."""
         live = self.members.live(now)
         if not live:
             return {}
         throughputs = {m.worker_id: m.samples_per_second if self.adaptive else None
                        for m in live}  # fmt: skip
-        return allocate(throughputs, self.config.micro_batches_per_step)
+        return allocate(throughputs, self.config.micro_batches_per_step, turn=self.version)
 
     def routing(self, now: float) -> list[float] | None:
         """Weights of the batches topic's partitions (sum 1) that give each live member the
