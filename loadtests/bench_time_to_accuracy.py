@@ -7,7 +7,7 @@ epochs, on the same cores (1 torch thread per training process), trained by:
     sync      Conveyor's real stack (``conveyor up --scale trainer=2 --scale aggregator=2``),
               distribution.mode sync, submitted through the gateway;
     local     the same stack, distribution.mode local (DiLoCo-style), sync_every_steps H
-              (--window, default 8), the default outer optimizer (SGD lr 0.7, Nesterov 0.9).
+              (--window, default 8), the default outer optimizer (SGD lr 0.7, Nesterov 0.5).
 Cases: small_cnn on sklearn digits (examples/digits.yaml, 5 epochs, the headline) and resnet18
 (width --resnet-width, group norm) on synthetic 3x32x32 (--resnet-n samples, --resnet-epochs).
 The baselines run while no stack is up. Reported per system, median over --repeats:

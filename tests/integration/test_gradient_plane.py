@@ -269,7 +269,7 @@ async def test_local_mode_is_inner_steps_then_an_outer_nesterov_step_at_every_ve
     plane: Plane,
 ) -> None:
     window = 4
-    spec = spec_with(mode="local", sync_every_steps=window)  # outer: DiLoCo's default
+    spec = spec_with(mode="local", sync_every_steps=window)  # outer: the default
     run = await plane.run("local-h4", spec)
 
     assert not run.rejections
@@ -280,7 +280,7 @@ async def test_local_mode_is_inner_steps_then_an_outer_nesterov_step_at_every_ve
     replayed = replay_local(
         run,
         make_inner=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-        make_outer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+        make_outer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True),
     )
     assert_replays(run, OPTIMIZERS["sgd"][1], replayed=replayed)
     # One contribution per window: about 1/window of sync's versions for the same samples.

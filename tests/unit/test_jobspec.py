@@ -106,7 +106,7 @@ def test_synthetic_example_augments() -> None:
         ("training.optimizer.lr", float("nan"), ("training", "optimizer", "lr"), "finite"),
         ("distribution.trainers", 0, ("distribution", "trainers"), "greater than or equal"),
         ("distribution.staleness", -1, ("distribution", "staleness"), "greater than or equal"),
-        ("distribution.mode", "async", ("distribution", "mode"), "'sync' or 'ssp'"),
+        ("distribution.mode", "async", ("distribution", "mode"), "'sync', 'ssp' or 'local'"),
         ("distribution.allocation", "fair", ("distribution", "allocation"), "'adaptive' or"),
         ("resources.device", "tpu", ("resources", "device"), "pattern"),
         ("resources.memory_fraction", 1.5, ("resources", "memory_fraction"), "less than"),
@@ -306,12 +306,12 @@ def test_local_mode_rules(distribution: dict[str, Any], loc: tuple[str], fragmen
     assert fragment in msg
 
 
-def test_local_mode_defaults_to_diloco_outer_nesterov_and_needs_a_window_of_lead() -> None:
+def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -> None:
     spec = JobSpec.model_validate(
         spec_with("distribution", {"mode": "local", "sync_every_steps": 8})
     )
     outer = spec.distribution.outer
-    assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.9, True)
+    assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.5, True)
     data = spec_with("distribution", {"mode": "local", "sync_every_steps": 40})
     data["flow"] = {"max_lead_batches": 64}  # a window is 40 steps x 2 micro-batches = 80
     [(error_loc, msg)] = errors_of(data)

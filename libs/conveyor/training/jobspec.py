@@ -357,7 +357,8 @@ class DistributionSpec(_Spec):
     as in sync mode) between two outer steps; required for local, only for local."""
     outer_optimizer: OptimizerSpec | None = Field(default=None, validate_default=True)
     """local: the optimizer the aggregators apply to the mean parameter delta (the outer
-    gradient); None: SGD lr 0.7 with Nesterov momentum 0.9 (DiLoCo's). Only for local."""
+    gradient); None: SGD lr 0.7 with Nesterov momentum 0.5 (DiLoCo's lr; its momentum 0.9
+    diverges on top of an inner SGD momentum of 0.9, see docs/operations.md). Only for local."""
     allocation: Literal["adaptive", "equal"] = "adaptive"
     """adaptive: each trainer's micro-batches per step, and its share of the batches (the
     routing of batches to partitions), follow its measured throughput; equal: the step is
@@ -386,10 +387,11 @@ class DistributionSpec(_Spec):
 
     @property
     def outer(self) -> OptimizerSpec:
-        """The outer optimizer of local mode: ``outer_optimizer`` or DiLoCo's default."""
+        """The outer optimizer of local mode: ``outer_optimizer`` or the default (SGD lr 0.7,
+        Nesterov momentum 0.5)."""
         if self.outer_optimizer is not None:
             return self.outer_optimizer
-        return OptimizerSpec(name="sgd", lr=0.7, momentum=0.9, nesterov=True)
+        return OptimizerSpec(name="sgd", lr=0.7, momentum=0.5, nesterov=True)
 
 
 class CheckpointSpec(_Spec):
