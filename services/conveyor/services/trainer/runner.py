@@ -309,6 +309,10 @@ class JobRunner:
         wanted = plane.control.micro_batches_for(
             self.session.spec.micro_batches_per_step, time.time()
         )
+        if plane.outstanding.mode == "ssp":
+            # Each ssp contribution is a step of its own, and nothing would end a turn of 0
+            # (sync answers it with an empty contribution and waits for the close).
+            wanted = max(1, wanted)
         if engine.inner is None:
             computed, wait_s = await self._gather(wanted)
             inner_steps: list[int] = []
