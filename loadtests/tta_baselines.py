@@ -14,12 +14,13 @@ import json
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from loadtests.ddp_baseline import join_gloo
 
 
 def _train(spec_dict: dict[str, Any], *, world: int, rank: int) -> dict[str, Any]:
@@ -89,12 +90,7 @@ def _spawned_worker(
 ) -> None:
     import torch.distributed as dist
 
-    os.setsid()  # own session, as every Conveyor service
-    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     found: dict[str, dict[str, Any]] = {}
     for name, spec in specs.items():
         if rank == 0:
