@@ -55,10 +55,16 @@ class ContributionSender:
         return contribution_id
 
     async def send(
-        self, base_version: int, computed: list[Computed], encoded: EncodedGrad
+        self,
+        base_version: int,
+        computed: list[Computed],
+        encoded: EncodedGrad,
+        *,
+        inner_steps: list[int] | None = None,
     ) -> tuple[Pending[ReadyBatch], float]:
         """Send the slices of ``encoded`` (the gradient accumulated by ``computed``, all of one
-        epoch), await their acks, publish the Contribution; returns it as :class:`Pending` and
+        epoch; local mode: the window's weighted delta, ``inner_steps`` passes per inner
+        step), await their acks, publish the Contribution; returns it as :class:`Pending` and
         the seconds it took. Raises ``BusError`` when the broker fails."""
         session, contribution_id = self._session, self._next_id()
         started = time.perf_counter()
@@ -108,6 +114,7 @@ class ContributionSender:
                     loss_sum=loss_sum,
                     grad_bytes=encoded.nbytes,
                     sent_at=time.time(),
+                    inner_steps=list(inner_steps or []),
                 ),
                 key=self.worker_id,
             )
