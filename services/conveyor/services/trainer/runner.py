@@ -59,6 +59,7 @@ from conveyor.services.trainer.plane.control import Applied, Outcome
 from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
+from conveyor.services.trainer.plane.param_traces import ParamTraces
 from conveyor.services.trainer.plane.sending import Computed
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
@@ -126,6 +127,7 @@ class JobRunner:
         self._undo: list[EncodedGrad] = []
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._tracer = trace.get_tracer(TRACER_NAME)
+        self._param_traces = ParamTraces()
 
     # -- the job ------------------------------------------------------------------------------
 
@@ -213,6 +215,8 @@ class JobRunner:
                     self.plane.params.add(record.message)
                 except ValueError as exc:
                     raise JobFailure(f"parameters on {record.topic} do not fit: {exc}") from exc
+                self._param_traces.add(record, record.message.version)
+        self._param_traces.forget_before(self.plane.params.version)
         self._keep_epoch_params()
         self.plane.signal.fire()
 
@@ -292,7 +296,8 @@ class JobRunner:
             await self._compute(self.session.engine.encoder.undo, encoded)
         if version == self.loaded_version:
             return
-        load_s = await self._compute(self.session.engine.load, flat)
+        with self._param_traces.load_span(self._tracer, self.session.params_topic, version):
+            load_s = await self._compute(self.session.engine.load, flat)
         self.figures.params_loaded(version, load_s)
         self.loaded_version = version
         self.snapshots.keep(version, flat, control)
