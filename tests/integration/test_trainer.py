@@ -38,6 +38,7 @@ from plane_harness import (
 )
 
 from conveyor.platform.bus import Producer, TopicTail, ensure_topics
+from conveyor.platform.bus.tracing import destination_template
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import Heartbeat, StepClose, Topics
 from conveyor.services.trainer.reporting.figures import STEP_PARTS
@@ -124,19 +125,26 @@ async def test_two_trainers_train_a_digits_job_through_two_aggregators(
 
 
 def assert_grad_send_spans(spans: InMemorySpanExporter, batches_topic: str) -> None:
-    """Each trained batch: ``process <topic>`` with a ``compute`` child, linked from the
-    ``grad send`` span of its contribution (a fan-in), whose slices are its children."""
+    """Each trained batch: ``process <topic template>`` with a ``compute`` child; the
+    ``grad send`` span of its contribution (a fan-in) is the child of one of its batches and
+    links to the others; its slices are its children."""
     finished = spans.get_finished_spans()
+    template = destination_template(batches_topic)
     processed = {
         s.context.span_id: s
         for s in finished
-        if s.name == f"process {batches_topic}" and s.context is not None
+        if s.name == f"process {template}" and s.context is not None
     }
+    assert processed and all(
+        s.attributes["messaging.destination.name"] == batches_topic for s in processed.values()
+    )
     sends = [s for s in finished if s.name == "grad send"]
-    assert sends and all(link.context.span_id in processed for s in sends for link in s.links)
-    linked = {link.context.span_id for s in sends for link in s.links}
+    assert sends and all(s.parent and s.parent.span_id in processed for s in sends)
+    assert all(link.context.span_id in processed for s in sends for link in s.links)
+    inputs = {link.context.span_id for s in sends for link in s.links}
+    inputs |= {s.parent.span_id for s in sends if s.parent}
     computed = {s.parent.span_id for s in finished if s.name == "compute" and s.parent is not None}
-    assert linked <= computed
+    assert inputs <= computed
     send_ids = {s.context.span_id for s in sends if s.context is not None}
     slice_sends = [s for s in finished if s.name.startswith("send ") and "grads" in s.name]
     assert slice_sends and all(s.parent is not None and s.parent.span_id in send_ids

@@ -61,6 +61,7 @@ from conveyor.services.trainer.plane.control import Applied, Outcome
 from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
+from conveyor.services.trainer.plane.param_traces import ParamTraces
 from conveyor.services.trainer.plane.sending import Computed
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
@@ -130,6 +131,7 @@ class JobRunner:
         self._undo: list[EncodedGrad] = []
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._tracer = trace.get_tracer(TRACER_NAME)
+        self._param_traces = ParamTraces()
 
     # -- the job ------------------------------------------------------------------------------
 
@@ -217,6 +219,8 @@ class JobRunner:
                     self.plane.params.add(record.message)
                 except ValueError as exc:
                     raise JobFailure(f"parameters on {record.topic} do not fit: {exc}") from exc
+                self._param_traces.add(record, record.message.version)
+        self._param_traces.forget_before(self.plane.params.version)
         self._keep_epoch_params()
         self.plane.signal.fire()
 
@@ -296,7 +300,8 @@ class JobRunner:
             await self._compute(self.session.engine.encoder.undo, encoded)
         if version == self.loaded_version and not self._window_moved:
             return
-        load_s = await self._compute(self.session.engine.load, flat)
+        with self._param_traces.load_span(self._tracer, self.session.params_topic, version):
+            load_s = await self._compute(self.session.engine.load, flat)
         self._window_moved = False
         self.figures.params_loaded(version, load_s)
         self.loaded_version = version
