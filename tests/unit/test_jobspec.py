@@ -106,7 +106,7 @@ def test_synthetic_example_augments() -> None:
         ("training.optimizer.lr", float("nan"), ("training", "optimizer", "lr"), "finite"),
         ("distribution.trainers", 0, ("distribution", "trainers"), "greater than or equal"),
         ("distribution.staleness", -1, ("distribution", "staleness"), "greater than or equal"),
-        ("distribution.mode", "async", ("distribution", "mode"), "'sync' or 'ssp'"),
+        ("distribution.mode", "async", ("distribution", "mode"), "'sync', 'ssp' or 'local'"),
         ("distribution.allocation", "fair", ("distribution", "allocation"), "'adaptive' or"),
         ("resources.device", "tpu", ("resources", "device"), "pattern"),
         ("resources.memory_fraction", 1.5, ("resources", "memory_fraction"), "less than"),
@@ -311,3 +311,40 @@ def test_tokens_train_language_models_only() -> None:
 def test_max_bad_samples_range() -> None:
     [(loc, _)] = errors_of(spec_with("dataset.max_bad_samples", -1))
     assert loc == ("dataset", "max_bad_samples")
+
+
+@pytest.mark.parametrize(
+    ("distribution", "loc", "fragment"),
+    [
+        ({"mode": "local"}, ("sync_every_steps",), "required when mode is local"),
+        ({"mode": "local", "sync_every_steps": 0}, ("sync_every_steps",), "greater than or"),
+        ({"mode": "sync", "sync_every_steps": 8}, ("sync_every_steps",), "mode local only"),
+        (
+            {"mode": "ssp", "outer_optimizer": {"name": "sgd", "lr": 0.7}},
+            ("outer_optimizer",),
+            "mode local only",
+        ),
+        (
+            {"mode": "local", "sync_every_steps": 8,
+             "outer_optimizer": {"name": "sgd", "lr": 0.7, "nesterov": True}},
+            ("outer_optimizer", "nesterov"),
+            "nesterov requires",
+        ),
+    ],
+)  # fmt: skip
+def test_local_mode_rules(distribution: dict[str, Any], loc: tuple[str], fragment: str) -> None:
+    [(error_loc, msg)] = errors_of(spec_with("distribution", distribution))
+    assert error_loc == ("distribution", *loc)
+    assert fragment in msg
+
+
+def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -> None:
+    spec = JobSpec.model_validate(
+        spec_with("distribution", {"mode": "local", "sync_every_steps": 8})
+    )
+    outer = spec.distribution.outer
+    assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.5, True)
+    data = spec_with("distribution", {"mode": "local", "sync_every_steps": 40})
+    data["flow"] = {"max_lead_batches": 64}  # a window is 40 steps x 2 micro-batches = 80
+    [(error_loc, msg)] = errors_of(data)
+    assert error_loc == ("flow",) and "must hold one local-mode window" in msg

@@ -110,6 +110,9 @@ def test_build_job_model_checks_dataset_and_state() -> None:
     topk = {**batch, "distribution": {"compression": {"kind": "topk", "ratio": 0.1}}}
     with pytest.raises(ValueError, match="travel with the gradients uncompressed"):
         build_job_model(JobSpec.from_dict(topk), num_classes=10, sample_shape=(1, 8, 8))
+    local = {**batch, "distribution": {"mode": "local", "sync_every_steps": 4}}
+    with pytest.raises(ValueError, match="not as local mode's parameter deltas"):
+        build_job_model(JobSpec.from_dict(local), num_classes=10, sample_shape=(1, 8, 8))
     group = JobSpec.from_dict({**SPEC, "model": {"name": "resnet18", "width": 4, "norm": "group"}})
     model = build_job_model(group, num_classes=10, sample_shape=(1, 8, 8), device="meta")
     assert not ParamLayout.from_model(model).has_statistics

@@ -289,8 +289,11 @@ class TrainingSpec(_Spec):
     micro_batch_size: int = Field(ge=1, le=65_536)
     """Samples per batch message; global_batch_size must be a multiple of it."""
     optimizer: OptimizerSpec
+    """The optimizer of every step: the aggregators' (sync, ssp), or the trainers' inner
+    optimizer in local mode."""
     lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
-    """Learning rate per step, computed by the aggregator's coordinator."""
+    """Learning rate per step, computed by the aggregator's coordinator (local mode: by each
+    trainer for its inner steps, counted as in sync mode; the outer lr is constant)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute precision of forward/backward (bf16 via autocast)."""
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
@@ -347,10 +350,20 @@ class DistributionSpec(_Spec):
     """K, the parameter slices = partitions of the grads/params topics, each owned by one
     aggregator process at a time (the key predates the word "slice" and stays: a shard is a
     data shard everywhere else)."""
-    mode: Literal["sync", "ssp"] = "sync"
-    """sync: every step waits for all members; ssp: bounded-staleness async."""
+    mode: Literal["sync", "ssp", "local"] = "sync"
+    """sync: every step waits for all members; ssp: bounded-staleness async; local:
+    low-communication (DiLoCo-style) training: each trainer takes ``sync_every_steps`` steps of
+    the job's optimizer on its own batches, then the aggregators apply ``outer_optimizer`` to
+    the sample-weighted mean of the trainers' parameter deltas (one version per window)."""
     staleness: int = Field(default=2, ge=0, le=1000)
     """ssp: a contribution computed on version v applies while current - v <= staleness."""
+    sync_every_steps: int | None = Field(default=None, ge=1, le=100_000, validate_default=True)
+    """local: H, the inner optimizer steps (each of the global batch, split over the trainers
+    as in sync mode) between two outer steps; required for local, only for local."""
+    outer_optimizer: OptimizerSpec | None = Field(default=None, validate_default=True)
+    """local: the optimizer the aggregators apply to the mean parameter delta (the outer
+    gradient); None: SGD lr 0.7 with Nesterov momentum 0.5 (DiLoCo's lr; its momentum 0.9
+    diverges on top of an inner SGD momentum of 0.9, see docs/operations.md). Only for local."""
     allocation: Literal["adaptive", "equal"] = "adaptive"
     """adaptive: each trainer's micro-batches per step, and its share of the batches (the
     routing of batches to partitions), follow its measured throughput; equal: the step is
@@ -379,6 +392,34 @@ class DistributionSpec(_Spec):
         fewest = self.trainers if self.min_trainers is None else self.min_trainers
         most = self.trainers if self.max_trainers is None else self.max_trainers
         return fewest, self.trainers, most
+
+    @field_validator("sync_every_steps")
+    @classmethod
+    def _window_only_for_local(cls, steps: int | None, info: ValidationInfo) -> int | None:
+        mode = info.data.get("mode")
+        if mode == "local" and steps is None:
+            raise ValueError("sync_every_steps is required when mode is local (e.g. 8)")
+        if mode is not None and mode != "local" and steps is not None:
+            raise ValueError(f"sync_every_steps applies to mode local only, not {mode}")
+        return steps
+
+    @field_validator("outer_optimizer")
+    @classmethod
+    def _outer_only_for_local(
+        cls, outer: OptimizerSpec | None, info: ValidationInfo
+    ) -> OptimizerSpec | None:
+        mode = info.data.get("mode")
+        if mode is not None and mode != "local" and outer is not None:
+            raise ValueError(f"outer_optimizer applies to mode local only, not {mode}")
+        return outer
+
+    @property
+    def outer(self) -> OptimizerSpec:
+        """The outer optimizer of local mode: ``outer_optimizer`` or the default (SGD lr 0.7,
+        Nesterov momentum 0.5)."""
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
+        return OptimizerSpec(name="sgd", lr=0.7, momentum=0.5, nesterov=True)
 
 
 class CheckpointSpec(_Spec):
@@ -486,6 +527,24 @@ class JobSpec(_Spec):
                     f"shard_size ({flow.shard_size}) must be a multiple of "
                     f"training.micro_batch_size ({micro})"
                 )
+        return flow
+
+    @field_validator("flow")
+    @classmethod
+    def _lead_holds_a_window(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training, distribution = info.data.get("training"), info.data.get("distribution")
+        if training is None or distribution is None or distribution.sync_every_steps is None:
+            return flow
+        # A window's batches are acknowledged only once its outer step closes, so the
+        # sharder's lead must let one window's worth be released at a time.
+        window = distribution.sync_every_steps * (
+            training.global_batch_size // training.micro_batch_size
+        )
+        if flow.max_lead_batches < window:
+            raise ValueError(
+                f"max_lead_batches ({flow.max_lead_batches}) must hold one local-mode window: "
+                f"sync_every_steps x micro-batches per step = {window}"
+            )
         return flow
 
     @property

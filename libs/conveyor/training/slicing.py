@@ -172,7 +172,8 @@ def check_buffers(model: nn.Module, name: str, spec: JobSpec) -> None:
     """ValueError when ``model`` keeps state the gradient plane cannot carry: an integer
     buffer other than BatchNorm's ``num_batches_tracked`` (read only when its momentum is
     None, refused too), or statistics in a job whose gradients are compressed (a top-k or
-    fp16 gradient would drop or overflow the statistics travelling with it)."""
+    fp16 gradient would drop or overflow the statistics travelling with it) or in local mode
+    (its contributions are parameter deltas)."""
     norms = {module_name for module_name, module in model.named_modules()
              if isinstance(module, nn.modules.batchnorm._BatchNorm)}  # fmt: skip
     cumulative = [n for n, m in model.named_modules() if n in norms and m.momentum is None]
@@ -189,8 +190,15 @@ def check_buffers(model: nn.Module, name: str, spec: JobSpec) -> None:
             f"model {name!r} keeps integer state in buffer {buffer_name!r}, which the gradient "
             "plane cannot average across trainers"
         )
+    has_statistics = ParamLayout.from_model(model).has_statistics
+    if spec.distribution.mode == "local" and has_statistics:
+        raise ValueError(
+            f"model {name!r} has running statistics (BatchNorm), which travel as sample-weighted "
+            "values in sync and ssp modes, not as local mode's parameter deltas: use mode sync "
+            "or ssp (or resnet18 with norm: group)"
+        )
     compression = spec.distribution.compression.kind
-    if compression != "none" and ParamLayout.from_model(model).has_statistics:
+    if compression != "none" and has_statistics:
         raise ValueError(
             f"model {name!r} has running statistics (BatchNorm), which travel with the "
             f"gradients uncompressed: use distribution.compression.kind none, not "

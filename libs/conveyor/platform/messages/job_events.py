@@ -88,7 +88,7 @@ class JobPlanned(JobEvent):
     eval_batches_per_epoch: int
     """Evaluation micro-batches of one epoch."""
     steps_per_epoch: int
-    """Optimizer steps of one epoch."""
+    """Optimizer steps of one epoch (local mode: outer steps, one per window)."""
     shards_per_epoch: int
     """Shard tasks of one epoch (train and eval)."""
     batches_topic: str

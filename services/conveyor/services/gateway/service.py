@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from opentelemetry import trace
 
 from conveyor.platform.bus import BusError, Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
@@ -223,7 +224,12 @@ class GatewayService(Service):
     async def _publish_submitted(
         self, job_id: str, spec: dict[str, Any], idempotency_key: str | None
     ) -> JobView:
-        await self._publish(JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key))
+        # The job's submission span: the JobSubmitted record carries its trace to the sharder,
+        # whose plan (in this trace) every shard release of the job links to.
+        tracer = trace.get_tracer(__name__)
+        with tracer.start_as_current_span("submit job", attributes={"conveyor.job_id": job_id}):
+            event = JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key)
+            await self._publish(event)
         job = self.view.get(job_id)
         assert job is not None, "the view applied the submitted event"
         return job

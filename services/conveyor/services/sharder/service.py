@@ -298,7 +298,10 @@ class SharderService(Service):
             sample_shape=list(shape),
             train_batches_per_epoch=plan.train_batches_per_epoch,
             eval_batches_per_epoch=plan.eval_batches_per_epoch,
-            steps_per_epoch=plan.steps_per_epoch(job.spec.micro_batches_per_step),
+            # Versions: local mode closes one per window of sync_every_steps steps.
+            steps_per_epoch=plan.steps_per_epoch(
+                job.spec.micro_batches_per_step * (job.spec.distribution.sync_every_steps or 1)
+            ),
             shards_per_epoch=plan.tasks_per_epoch,
             batches_topic=self.topics.batches(job.job_id),
             control_topic=self.topics.control(job.job_id),
