@@ -303,6 +303,29 @@ class JobCancelled(JobEvent):
     """The process that stopped it, when it has a worker id."""
 
 
+@message("JobResumed", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobResumed(JobEvent):
+    """The job starts again from checkpoint ``checkpoint_version`` under the same id: a failed
+    or cancelled job resumed through the API. The job view revives a terminal job (it turns
+    ``pending`` again and is planned anew); the sharder recreates its topics and writes a
+    :class:`ResumePoint` first on the control topic. A resumed job that is not terminal is
+    ignored."""
+
+    EVENT: ClassVar[str] = "resumed"
+
+    spec: dict[str, Any]
+    """The job spec (JSON form), so that a sharder that forgot the ended job can plan it."""
+    checkpoint_version: int
+    """The checkpoint it starts from (a committed, good, usable one when it was chosen)."""
+    reason: str
+    """Why, for people (``resumed through the API``)."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_version < 1:
+            raise ValueError(f"checkpoint_version must be >= 1, got {self.checkpoint_version}")
+
+
 @message("CheckpointCommitted", version=1)
 @dataclass(kw_only=True, slots=True)
 class CheckpointCommitted(JobEvent):

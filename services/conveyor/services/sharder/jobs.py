@@ -1,5 +1,8 @@
 """The sharder's view of its jobs: a pure fold of the events of ``Topics.jobs``.
 
+A :class:`JobResumed` starts a new record for its job (the job's held record, when one is kept,
+is released): the sharder plans it again from the checkpoint it names.
+
 Acknowledgement policy (what makes a restart replay the right events): the ``submitted``
 record of a job is held unacknowledged until the job is forgotten (terminal), so the
 committed offset of its partition never passes it; every later record of the same job (same
@@ -22,11 +25,13 @@ from conveyor.platform.messages import (
     CoordinatorProgress,
     JobEvent,
     JobPlanned,
+    JobResumed,
     JobSubmitted,
+    ResumePoint,
     SamplesSkipped,
     Topics,
 )
-from conveyor.services.sharder.flow import FlowControl
+from conveyor.services.sharder.flow import FlowControl, RemainingSequence
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
 
@@ -42,7 +47,7 @@ class JobRecord:
 
     job_id: str
     submitted: Received
-    """The held (unacknowledged) ``submitted`` record."""
+    """The held (unacknowledged) ``submitted`` (or ``resumed``) record."""
     spec: JobSpec | None
     """The parsed spec; None when it is invalid (``spec_error`` says why)."""
     spec_error: str | None
@@ -66,6 +71,23 @@ class JobRecord:
     """Distinct sample ids the preprocessors skipped as bad (``SamplesSkipped`` events)."""
     skipped_reasons: list[str] = field(default_factory=list)
     """The first few of their reasons (``<file>: <reason>``)."""
+    resume: JobResumed | None = None
+    """The event that resumed the job (None: a submission)."""
+    resume_point: ResumePoint | None = None
+    """Where the resumed job starts, once read from its checkpoint."""
+    consumed_base: int = 0
+    """Batches counted as consumed at the resume (flow control counts those after it)."""
+
+    @property
+    def flow_consumed(self) -> int:
+        """The consumed count flow control runs on (since the resume, if resumed)."""
+        return max(0, self.consumed - self.consumed_base)
+
+    def plan_task(self, index: int) -> int:
+        """The plan's task index of flow control's task ``index``."""
+        if self.flow is not None and isinstance(self.flow.sequence, RemainingSequence):
+            return self.flow.sequence.tasks[index]
+        return index
 
     def too_many_bad_samples(self) -> str | None:
         """Why the job must fail when more distinct samples were skipped than the spec's
@@ -100,6 +122,12 @@ class JobTable:
     def __init__(self, topics: Topics) -> None:
         self._topics = topics
         self._jobs: dict[str, JobRecord] = {}
+        self._released: list[Received] = []
+
+    def take_released(self) -> list[Received]:
+        """Held records that a resume replaced: the caller acknowledges them."""
+        released, self._released = self._released, []
+        return released
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -124,6 +152,8 @@ class JobTable:
         job = self._jobs.get(event.job_id)
         if isinstance(event, JobSubmitted):
             return self._submitted(job, event, received)
+        if isinstance(event, JobResumed):
+            return self._resumed(job, event, received)
         if job is None:
             return True
         match event:
@@ -166,8 +196,28 @@ class JobTable:
         )
         return False
 
+    def _resumed(self, job: JobRecord | None, event: JobResumed, received: Received) -> bool:
+        if job is not None:
+            if (job.submitted.partition, job.submitted.offset) == (
+                received.partition,
+                received.offset,
+            ):
+                job.submitted = received  # redelivered: hold the new copy
+                return False
+            if not job.terminal:
+                logger.info("job %s: ignoring a resume of a job that has not ended", job.job_id)
+                return True
+            self._released.append(job.submitted)
+        spec, error = _parse_spec(event, self._topics)
+        self._jobs[event.job_id] = JobRecord(
+            job_id=event.job_id, submitted=received, spec=spec, spec_error=error, resume=event
+        )
+        return False
 
-def _parse_spec(event: JobSubmitted, topics: Topics) -> tuple[JobSpec | None, str | None]:
+
+def _parse_spec(
+    event: JobSubmitted | JobResumed, topics: Topics
+) -> tuple[JobSpec | None, str | None]:
     try:
         topics.batches(event.job_id)
     except ValueError as exc:
