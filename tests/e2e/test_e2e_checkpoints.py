@@ -22,7 +22,7 @@ import pytest
 from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_for
 from ledger_check import assert_exactly_once
 
-from conveyor.cli.client import TERMINAL_STATES
+from conveyor.cli.client import TERMINAL_STATES, GatewayError
 from conveyor.embedded.procs import is_alive
 from conveyor.embedded.state import ServiceInfo
 from conveyor.training.checkpoint import CheckpointStore
@@ -106,3 +106,53 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["checkpoints"]
     assert (rows[0]["version"], rows[0]["state"], rows[0]["latest"]) == (final, "committed", True)
+
+
+def test_a_cancelled_job_resumed_from_its_checkpoint_completes_exactly_once(
+    stack: RunningStack,
+) -> None:
+    epochs = 2
+    job_id = stack.submit(
+        digits_spec("resume", epochs=epochs, checkpoint={"every_steps": 5, "keep_last": 3})
+    )
+    with pytest.raises(GatewayError) as running:
+        stack.gateway.resume(job_id)
+    assert running.value.status_code == 409 and "only a failed or cancelled" in str(running.value)
+    checkpoints = CheckpointStore(stack.store(), job_id)
+    # Cancelled in its second epoch (23 steps an epoch), after a checkpoint there.
+    wait_for(lambda: max(checkpoints.committed_versions(), default=0) >= 25, timeout_s=120,
+             what="a checkpoint in the second epoch")  # fmt: skip
+    stack.gateway.cancel(job_id)
+    cancelled = stack.wait_job(job_id)
+    assert cancelled["state"] == "cancelled", cancelled
+
+    gateway = str(stack.state.gateway_url)
+    resumed = conveyor("resume", job_id, "--gateway", gateway, env=stack.env)
+    assert resumed.returncode == 0, resumed.stderr
+    found = re.fullmatch(rf"job {job_id} resumed from checkpoint v(\d+)\n", resumed.stdout)
+    assert found is not None, resumed.stdout
+    version = int(found[1])
+    assert version >= 23, version  # the newest usable one: in the second epoch
+
+    job = stack.wait_job(job_id, timeout_s=120)
+    assert job["state"] == "completed", job.get("reason")
+    assert job["resumed_from"] == version
+    summary = job["summary"]
+    # What an uninterrupted run does: every epoch's steps, once.
+    assert summary["steps"] == job["plan"]["steps_per_epoch"] * epochs, summary
+    assert summary["epochs"] == epochs and [e["epoch"] for e in job["epochs"]] == [0, 1]
+    assert all(e["eval_accuracy"] is not None for e in job["epochs"]), job["epochs"]
+    # From the sample ids the trainers computed on, before and after the resume.
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=epochs)
+
+    with pytest.raises(GatewayError) as completed:
+        stack.gateway.resume(job_id)
+    assert completed.value.status_code == 409
+    with pytest.raises(GatewayError) as unknown:
+        stack.gateway.resume("no-such-job")
+    assert unknown.value.status_code == 404
+    failed = stack.submit(digits_spec("resume-nothing", dataset={"uri": "builtin://nope"}))
+    assert stack.wait_job(failed)["state"] == "failed"
+    with pytest.raises(GatewayError) as nothing:
+        stack.gateway.resume(failed)
+    assert nothing.value.status_code == 409 and "no checkpoint" in str(nothing.value)

@@ -42,8 +42,8 @@ def test_schemas_are_registered_with_name_and_version() -> None:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
-    assert versions == {  # ShardTask v2: + routing; Contribution v2: + epoch, sample_ids
-        "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
+    assert versions == {  # ShardTask v3: + incarnation; Contribution v2: + epoch, sample_ids
+        "DeadLetter": 1, "ShardTask": 3, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
         "JobPlanned": 1, "JobFailed": 1, "Contribution": 2,
     }  # fmt: skip
 

@@ -17,8 +17,8 @@ Fold rules (the view dispatches on the event's type):
 - Events for a job never submitted are ignored.
 - :class:`JobResumed` revives a failed or cancelled job under its id: ``pending`` again, the
   cancel request, reason, plan, summary and trainer reports cleared (epoch results and the
-  coordinator's totals kept); ``incarnation`` counts the resumes. A job it names that the view
-  does not know is created from its spec (a registry-driven resume after the jobs topic was
+  coordinator's totals kept); ``incarnation`` (the event's) counts the resumes. A job it names
+  that the view does not know is created from its spec (a resume after the jobs topic was
   lost); one that is not terminal ignores it.
 - :class:`TrainerProgress` counters are each trainer's own; the view keeps the latest report
   per worker and sums counters and rates over workers (step and epoch: the maximum). Once a
@@ -234,7 +234,7 @@ class JobsView:
             job.seq += 1
         job.state, job.cancel_requested, job.reason = "pending", False, None
         job.plan, job.summary, job.workers = None, None, {}
-        job.incarnation += 1
+        job.incarnation = event.incarnation
         job.resumed_from = event.checkpoint_version
         job.updated_at = max(job.updated_at, event.at)
         return job

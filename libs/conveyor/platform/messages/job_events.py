@@ -318,12 +318,16 @@ class JobResumed(JobEvent):
     """The job spec (JSON form), so that a sharder that forgot the ended job can plan it."""
     checkpoint_version: int
     """The checkpoint it starts from (a committed, good, usable one when it was chosen)."""
+    incarnation: int
+    """Resumes of the job including this one (>= 1): the job's topics and consumer groups of
+    this run are named apart from earlier runs' (``Topics``, ``incarnation``)."""
     reason: str
     """Why, for people (``resumed through the API``)."""
 
     def __post_init__(self) -> None:
-        if self.checkpoint_version < 1:
-            raise ValueError(f"checkpoint_version must be >= 1, got {self.checkpoint_version}")
+        if self.checkpoint_version < 1 or self.incarnation < 1:
+            raise ValueError(f"checkpoint_version and incarnation must be >= 1, got "
+                             f"{self.checkpoint_version}, {self.incarnation}")  # fmt: skip
 
 
 @message("CheckpointCommitted", version=1)

@@ -24,7 +24,7 @@ async def final_params(
 ) -> torch.Tensor:
     """fp32 [N]: the last ParamSlice of every partition of the job's params topic, once each
     is at ``version`` or later. Raises ``TimeoutError`` after ``timeout_s``."""
-    topic = Topics(kafka.topic_prefix).params(ctx.job_id)
+    topic = Topics(kafka.topic_prefix).params(ctx.job_id, incarnation=ctx.incarnation)
     async with asyncio.timeout(timeout_s):
         while True:
             last = await last_param_slices(kafka, topic)

@@ -109,8 +109,7 @@ class JobAggregator:
         self.topics = Topics(kafka.topic_prefix)
         self._folded = asyncio.Event()
         """Set whenever control records were folded (waiters clear it, then check)."""
-        self._log_read = asyncio.Event()
-        """Set once the control log as it was at start is folded (a ResumePoint included)."""
+        self._log_read = asyncio.Event()  # set once the log as it was at start is folded
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 job_id=ctx.job_id,
@@ -146,13 +145,13 @@ class JobAggregator:
         self._unchanged_since: dict[int, tuple[int, float]] = {}
         """Slice -> (version, monotonic s since it is at that version), for stall warnings."""
         self._tracer = trace.get_tracer(__name__)
-        self._grads_topic = self.topics.grads(ctx.job_id)
-        self._params_topic = self.topics.params(ctx.job_id)
+        self._grads_topic = self.topics.grads(ctx.job_id, incarnation=ctx.incarnation)
+        self._params_topic = self.topics.params(ctx.job_id, incarnation=ctx.incarnation)
         self.checkpoints = CheckpointStore(store, ctx.job_id)
         self.saver = SliceSaver(
             self.checkpoints,
             producer=producer,
-            control_topic=self.topics.control(ctx.job_id),
+            control_topic=ctx.planned.control_topic,
             jobs_topic=self.topics.jobs,
             worker_id=settings.worker_id,
             metrics=metrics,
@@ -166,11 +165,13 @@ class JobAggregator:
     async def run(self) -> None:
         plane = self.kafka.for_gradient_plane()  # every step waits on these two readers
         async with (
-            TopicTail(plane, self.topics.control(self.ctx.job_id)) as control,
+            TopicTail(plane, self.ctx.planned.control_topic) as control,
             Consumer(
                 plane,
                 [self._grads_topic],
-                group_id=self.topics.aggregator_group(self.ctx.job_id),
+                group_id=self.topics.aggregator_group(
+                    self.ctx.job_id, incarnation=self.ctx.incarnation
+                ),
                 max_in_flight=self.settings.max_held_slices,
                 dead_letter_producer=self.producer,
             ) as grads,
@@ -382,8 +383,7 @@ class JobAggregator:
     async def _first_state(self, index: int) -> SliceState:
         """Slice ``index`` at the job's first version: 0, or the checkpoint it resumed from."""
         start, stop = self.ctx.bounds[index]
-        version = self.coordinator.resumed_from
-        if version is None:
+        if (version := self.coordinator.resumed_from) is None:
             return SliceState(slice_index=index, version=0, values=self.ctx.initial[start:stop],
                               optimizer={}, grads_offset=0)  # fmt: skip
         try:

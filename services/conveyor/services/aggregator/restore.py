@@ -150,9 +150,9 @@ def _replay(
 
 
 def resumed_slice(checkpoints: CheckpointStore, version: int, index: int, numel: int) -> SliceState:
-    """Slice ``index`` of checkpoint ``version`` (verified; blocking), where a resumed job
-    starts: its grads partition is new, so a replay from it starts at offset 0.
-    CheckpointError when the file is missing, corrupt or of another size."""
+    """Slice ``index`` (``numel`` values) of checkpoint ``version`` (verified; blocking),
+    where a resumed job starts: its grads partition is new, so a replay from it starts at
+    offset 0. CheckpointError when the file is missing, corrupt or of another size."""
     manifest = checkpoints.read_manifest(version)
     if index >= len(manifest.files):
         raise CheckpointError(f"version {version} has no slice {index}")

@@ -108,11 +108,12 @@ class CheckpointerService(JobHostService[Prepared]):
         # A restart (or a second replica) does not commit again what is committed already.
         book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
         try:
-            async with TopicTail(self.kafka, self.topics.control(job.job_id)) as control:
+            control_topic = job.plan.control_topic  # the view's plan changes on a resume
+            async with TopicTail(self.kafka, control_topic) as control:
                 while True:
                     for record in await control.get_many(self.settings.poll_s):
                         book.fold(record.message)
-                    await self._act(job, spec, checkpoints, book)
+                    await self._act(job, spec, checkpoints, book, control_topic)
         except asyncio.CancelledError:
             # Let go: the job ended (or this process stops). Its final checkpoint's
             # announcements may have gone with its topics: commit it from the store.
@@ -120,7 +121,12 @@ class CheckpointerService(JobHostService[Prepared]):
             raise
 
     async def _act(
-        self, job: JobView, spec: JobSpec, checkpoints: CheckpointStore, book: CheckpointBook
+        self,
+        job: JobView,
+        spec: JobSpec,
+        checkpoints: CheckpointStore,
+        book: CheckpointBook,
+        control_topic: str,
     ) -> None:
         for version in book.failed():
             book.done.add(version)
@@ -130,7 +136,7 @@ class CheckpointerService(JobHostService[Prepared]):
         if book.timer_due(spec.checkpoint.every_s, time.time()):
             book.timer_sent()
             await self.producer.publish(
-                self.topics.control(job.job_id),
+                control_topic,
                 CheckpointRequest(job_id=job.job_id, reason="every_s", requested_at=time.time()),
             )
 

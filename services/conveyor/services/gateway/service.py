@@ -199,7 +199,8 @@ class GatewayService(Service):
         request = CheckpointRequest(job_id=job_id, reason="request", requested_at=time.time())
         try:
             async with asyncio.timeout(self.settings.write_timeout_s):
-                await producer.publish(self.topics.control(job_id), request)
+                topic = self.topics.control(job_id, incarnation=job.incarnation)
+                await producer.publish(topic, request)
         except (BusError, TimeoutError) as exc:
             raise GatewayUnavailable(f"could not reach the broker: {exc}") from exc
         return job
@@ -226,7 +227,7 @@ class GatewayService(Service):
             raise JobNotResumable(job_id, f"no checkpoint to resume from ({why})")
         await self._publish(JobResumed(
             job_id=job_id, spec=job.spec, checkpoint_version=progress.version,
-            reason="resumed through the API",
+            incarnation=job.incarnation + 1, reason="resumed through the API",
         ))  # fmt: skip
         return self.get_job(job_id)
 

@@ -79,6 +79,11 @@ class JobRecord:
     """Batches counted as consumed at the resume (flow control counts those after it)."""
 
     @property
+    def incarnation(self) -> int:
+        """The job's resumes so far: names its topics (``Topics``)."""
+        return 0 if self.resume is None else self.resume.incarnation
+
+    @property
     def flow_consumed(self) -> int:
         """The consumed count flow control runs on (since the resume, if resumed)."""
         return max(0, self.consumed - self.consumed_base)
@@ -122,10 +127,11 @@ class JobTable:
     def __init__(self, topics: Topics) -> None:
         self._topics = topics
         self._jobs: dict[str, JobRecord] = {}
-        self._released: list[Received] = []
+        self._released: list[JobRecord] = []
 
-    def take_released(self) -> list[Received]:
-        """Held records that a resume replaced: the caller acknowledges them."""
+    def take_released(self) -> list[JobRecord]:
+        """Records a resume replaced: the caller acknowledges their held records and deletes
+        their incarnation's topics."""
         released, self._released = self._released, []
         return released
 
@@ -207,7 +213,7 @@ class JobTable:
             if not job.terminal:
                 logger.info("job %s: ignoring a resume of a job that has not ended", job.job_id)
                 return True
-            self._released.append(job.submitted)
+            self._released.append(job)
         spec, error = _parse_spec(event, self._topics)
         self._jobs[event.job_id] = JobRecord(
             job_id=event.job_id, submitted=received, spec=spec, spec_error=error, resume=event

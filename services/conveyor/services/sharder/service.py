@@ -20,8 +20,9 @@ every event into the
   carries the routing of the coordinator's latest progress (:mod:`conveyor.training.routing`);
 - resumed (a ``resumed`` event, planned again like a submission): read the job's progress from
   the checkpoint it names (slice 0's file; a checkpoint that cannot be read fails the job),
-  delete and recreate the job's topics, write the ``ResumePoint`` as the first record of the
-  control topic, then publish ``planned``; release only the tasks with batches left to do.
+  create the topics of its new incarnation (fresh names: nothing of the earlier run reaches
+  them), write the ``ResumePoint`` as the first record of the control topic, then publish
+  ``planned``; release only the tasks with batches left to do.
 
 Acting only when caught up means a restarted sharder first replays a job's events (its
 ``submitted`` record was never committed past) and then continues from the consumed cursor of
@@ -178,8 +179,9 @@ class SharderService(Service):
                 if self.table.apply(received):
                     consumer.ack(received)
                 for replaced in self.table.take_released():
-                    consumer.ack(replaced)
-                    self._ended_at.pop(replaced.message.job_id, None)  # type: ignore[attr-defined]
+                    await self._delete_job_topics([replaced])  # its grace ends with the resume
+                    consumer.ack(replaced.submitted)
+                    self._ended_at.pop(replaced.job_id, None)
                 if consumer.lag() > 0:
                     continue  # later events may cancel, finish or advance a job: read them first
             try:
@@ -240,17 +242,12 @@ class SharderService(Service):
             if made is None:
                 return  # storage unavailable: try again on the next pass
             plan, shape, dataset = made
-            if job.resume is not None:
-                point = await self._resume_point(job)
-                if point is None:
-                    return  # failed, or storage unavailable: the next pass retries
-                if not job.planned_seen:  # a fresh log: the old incarnation's topics go
-                    assert self._admin is not None
-                    await self._admin.delete_topics(self.topics.job_topics(job.job_id))
+            if job.resume is not None and await self._resume_point(job) is None:
+                return  # failed, or storage unavailable: the next pass retries
             await self._create_job_topics(job)
             if not job.planned_seen:
                 if job.resume_point is not None:
-                    await self._publish_control(job.resume_point)
+                    await self._publish_control(job, job.resume_point)
                 await self._publish(self._planned(job, plan, shape, dataset))
             assert job.spec is not None
             job.plan = plan
@@ -353,8 +350,8 @@ class SharderService(Service):
             eval_batches_per_epoch=plan.eval_batches_per_epoch,
             steps_per_epoch=plan.steps_per_epoch(job.spec.micro_batches_per_step),
             shards_per_epoch=plan.tasks_per_epoch,
-            batches_topic=self.topics.batches(job.job_id),
-            control_topic=self.topics.control(job.job_id),
+            batches_topic=self.topics.batches(job.job_id, incarnation=job.incarnation),
+            control_topic=self.topics.control(job.job_id, incarnation=job.incarnation),
             batches_partitions=self._batches_partitions(job),
         )
 
@@ -370,6 +367,7 @@ class SharderService(Service):
                 job.job_id,
                 batches_partitions=self._batches_partitions(job),
                 slices=job.spec.distribution.aggregator_shards,
+                incarnation=job.incarnation,
             )
         )
 
@@ -406,6 +404,7 @@ class SharderService(Service):
                 preprocess=preprocess,
                 released_at=time.time(),
                 routing=routing,
+                incarnation=job.incarnation,
             )
             # Each shard starts its own trace (the one its batches follow), linked to the plan.
             with self._tracer.start_as_current_span(
@@ -424,19 +423,22 @@ class SharderService(Service):
 
     async def _finish(self, consumer: Consumer, jobs: list[JobRecord]) -> None:
         """Delete the topics of terminal jobs, forget them, ack their submitted records."""
-        assert self._admin is not None
-        names: list[str] = []
-        for job in jobs:
-            # A job id no topic name can carry never had topics.
-            with contextlib.suppress(ValueError):
-                names.extend(self.topics.job_topics(job.job_id))
-        await self._admin.delete_topics(names)
+        await self._delete_job_topics(jobs)
         for job in jobs:
             self.table.forget(job.job_id)
             self._dataset_attempts.pop(job.job_id, None)
             self._ended_at.pop(job.job_id, None)
             consumer.ack(job.submitted)
             logger.info("job %s: finished; topics deleted", job.job_id)
+
+    async def _delete_job_topics(self, jobs: list[JobRecord]) -> None:
+        assert self._admin is not None
+        names: list[str] = []
+        for job in jobs:
+            # A job id no topic name can carry never had topics.
+            with contextlib.suppress(ValueError):
+                names.extend(self.topics.job_topics(job.job_id, incarnation=job.incarnation))
+        await self._admin.delete_topics(names)
 
     async def _publish_outcome(self, job: JobRecord, event: JobFailed | JobCancelled) -> None:
         logger.warning("job %s: %s: %s", job.job_id, event.EVENT, event.reason)
@@ -447,9 +449,10 @@ class SharderService(Service):
         assert self._producer is not None
         await self._producer.publish(self.topics.jobs, event, key=event.job_id)
 
-    async def _publish_control(self, point: ResumePoint) -> None:
+    async def _publish_control(self, job: JobRecord, point: ResumePoint) -> None:
         assert self._producer is not None
-        await self._producer.publish(self.topics.control(point.job_id), point)
+        topic = self.topics.control(job.job_id, incarnation=job.incarnation)
+        await self._producer.publish(topic, point)
 
 
 def _lead(job: JobRecord) -> int:
