@@ -23,7 +23,7 @@ from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_f
 from ledger_check import assert_exactly_once
 
 from conveyor.cli.client import TERMINAL_STATES, GatewayError
-from conveyor.embedded.procs import is_alive
+from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.state import ServiceInfo
 from conveyor.training.checkpoint import CheckpointStore
 
@@ -156,3 +156,42 @@ def test_a_cancelled_job_resumed_from_its_checkpoint_completes_exactly_once(
     with pytest.raises(GatewayError) as nothing:
         stack.gateway.resume(failed)
     assert nothing.value.status_code == 409 and "no checkpoint" in str(nothing.value)
+
+
+def test_after_the_whole_stack_is_killed_and_started_again_the_job_completes(
+    stack: RunningStack,
+) -> None:
+    epochs = 2
+    job_id = stack.submit(
+        digits_spec("restart", epochs=epochs, checkpoint={"every_steps": 5, "keep_last": 2})
+    )
+    checkpoints = CheckpointStore(stack.store(), job_id)
+    wait_for(lambda: max(checkpoints.committed_versions(), default=0) >= 10, timeout_s=120,
+             what="a checkpoint mid-job")  # fmt: skip
+    processes = [p.process for p in stack.state.services] + [
+        ProcessInfo.of(process.pid, stack.state_dir / "logs" / f"{name}.log")
+        for name, process in stack.extra
+    ]
+    assert stack.state.broker is not None  # the broker too: it held the jobs topic in memory
+    for process in [*processes, stack.state.broker]:
+        if is_alive(process):
+            os.kill(process.pid, signal.SIGKILL)
+    for process in processes:
+        wait_for(lambda p=process: not is_alive(p), timeout_s=10, what=f"pid {process.pid} gone")
+
+    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json",
+                  "--scale", "aggregator=2", env=stack.env)  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    again = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+    try:
+        wait_for(lambda: job_id in {j["id"] for j in again.gateway.jobs(limit=10)},
+                 timeout_s=60, what="the job to come back")  # fmt: skip
+        job = again.wait_job(job_id, timeout_s=180)
+        assert job["state"] == "completed", job.get("reason")
+        assert job["resumed_from"] >= 10, job["resumed_from"]
+        assert job["summary"]["steps"] == job["plan"]["steps_per_epoch"] * epochs
+        assert_exactly_once(again.ledger(job_id), again.train_ids(job), epochs=epochs)
+        wait_for(lambda: not again.store().list("registry/jobs/"), timeout_s=10,
+                 what="the registry to forget the ended jobs")  # fmt: skip
+    finally:
+        again.gateway.close()

@@ -93,6 +93,7 @@ class JobHostService(Service, Generic[Prepared]):
         self._changed = asyncio.Event()
         """Set on every applied event and finished task: wakes the reconcile loop."""
         self._waiters: set[asyncio.Event] = set()
+        self._view_ready = asyncio.Event()
 
     # -- what subclasses provide ---------------------------------------------------------
 
@@ -133,6 +134,10 @@ class JobHostService(Service, Generic[Prepared]):
     def readiness(self) -> bool:
         return super().readiness() and self._reader is not None and self._reader.ready
 
+    async def view_ready(self) -> None:
+        """Wait until the view holds the jobs topic as it was at start (background work)."""
+        await self._view_ready.wait()
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -153,6 +158,7 @@ class JobHostService(Service, Generic[Prepared]):
                     group.create_task(work)
                 self._reader = reader
                 await reader.wait_ready()
+                self._view_ready.set()
                 while True:
                     self._changed.clear()
                     await self._reconcile()
