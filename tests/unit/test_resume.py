@@ -1,15 +1,19 @@
 """Resuming a job from a checkpoint, as pure folds: the coordinator's progress snapshot through a
 slice file and back, and every fold of the control log (coordinator, trainer, checkpointer)
 started from a ResumePoint ends where the straight run ends; the sharder releases only the
-tasks with batches left; the job view revives a resumed job."""
+tasks with batches left; the job view revives a resumed job; the registry of live jobs."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from test_checkpoint_triggers import job_spec
 from test_coordinator import JOB, SAMPLES, T0, batch, beat, contrib, echo
 
+from conveyor.platform.config import StorageSettings
 from conveyor.platform.messages import (
     EndedEpoch,
     EvalResult,
@@ -21,11 +25,26 @@ from conveyor.platform.messages import (
     SliceSaved,
     StepClose,
 )
+from conveyor.platform.storage import open_store
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
 from conveyor.services.checkpointer.book import CheckpointBook
+from conveyor.services.checkpointer.registry import (
+    JobRegistry,
+    RegistryEntry,
+    recovery_event,
+    registry_changes,
+)
 from conveyor.services.sharder.flow import RemainingSequence, batches_done, remaining_tasks
 from conveyor.services.trainer.plane.control import ControlState
-from conveyor.training.checkpoint import JobProgress, SliceState, decode_slice, encode_slice
+from conveyor.training.checkpoint import (
+    CheckpointStore,
+    DataCursor,
+    JobProgress,
+    Manifest,
+    SliceState,
+    decode_slice,
+    encode_slice,
+)
 from conveyor.training.jobview import JobsView
 from conveyor.training.plan import JobPlan
 
@@ -205,3 +224,42 @@ def test_the_job_view_revives_a_resumed_job_and_ignores_a_running_one() -> None:
                        reason="test", at=T0)  # fmt: skip
     created = view.apply(other)  # a job the view never saw (its jobs topic was lost)
     assert created is not None and (created.state, created.incarnation) == ("pending", 3)
+
+
+def test_the_registry_tracks_live_jobs_and_brings_back_lost_ones(tmp_path: Path) -> None:
+    view = JobsView()
+    spec = {"name": "r", "training": {"epochs": 2}}
+    for job_id in ("live", "ended"):
+        view.apply(JobSubmitted(job_id=job_id, spec=spec, at=T0))
+    view.apply(JobCancelled(job_id="ended", reason="cancel requested", at=T0))
+    registry = JobRegistry(open_store(f"file://{tmp_path}", StorageSettings(uri="file:///")))
+    for job_id in ("ended", "lost"):
+        registry.write(RegistryEntry(job_id=job_id, spec=spec, incarnation=2))
+    changes = registry_changes(view, registry.entries())
+    assert changes.write == [RegistryEntry(job_id="live", spec=spec, incarnation=0)]
+    assert changes.delete == ["ended"]
+    assert [e.job_id for e in changes.lost] == ["lost"]
+
+    lost = changes.lost[0]
+    checkpoints = CheckpointStore(registry.store, "lost")
+    assert recovery_event(lost, checkpoints) == JobSubmitted(  # no checkpoint: from the start
+        job_id="lost", spec=spec, at=pytest.approx(time.time(), abs=60)
+    )
+    progress = coordinator().progress()
+    progress.version = 7
+    entry = checkpoints.write_slice(
+        SliceState(
+            slice_index=0,
+            version=7,
+            values=torch.zeros(2),
+            optimizer={},
+            grads_offset=0,
+            progress=progress,
+        )
+    )
+    checkpoints.commit(Manifest(job_id="lost", version=7, step=7, trigger="every_steps",
+                                created_at=T0, files=[entry], data_cursor=DataCursor(epoch=0),
+                                rng={}, spec=spec, model={}))  # fmt: skip
+    event = recovery_event(lost, checkpoints)
+    assert isinstance(event, JobResumed)
+    assert (event.checkpoint_version, event.incarnation) == (7, 3)
