@@ -156,8 +156,8 @@ def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exact
              what="a checkpoint of the resumed run")  # fmt: skip
 
     kill_everything(stack)
-    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json",
-                  "--scale", "aggregator=2", env=stack.env)  # fmt: skip
+    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json", "--scale", "aggregator=2",
+                  "--health-timeout-s", "180", env=stack.env)  # fmt: skip
     assert up.returncode == 0, up.stderr
     again = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
     try:
