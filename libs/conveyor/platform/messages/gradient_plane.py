@@ -293,7 +293,7 @@ class EndedEpoch(Record):
 @message("ResumePoint", version=1)
 @dataclass(kw_only=True, slots=True)
 class ResumePoint(Message):
-    """Where a resumed job starts: the first record of its (recreated) control topic, written
+    """Where a resumed job starts: the first record of its (new) control topic, written
     by the sharder from checkpoint ``version``. Everyone who folds the control log starts
     from it instead of version 0: the coordinator (which also loads its own state, the ledger
     included, from the checkpoint), the slice owners (their slices from the checkpoint's

@@ -307,10 +307,10 @@ class JobCancelled(JobEvent):
 @dataclass(kw_only=True, slots=True)
 class JobResumed(JobEvent):
     """The job starts again from checkpoint ``checkpoint_version`` under the same id: a failed
-    or cancelled job resumed through the API. The job view revives a terminal job (it turns
-    ``pending`` again and is planned anew); the sharder recreates its topics and writes a
-    :class:`ResumePoint` first on the control topic. A resumed job that is not terminal is
-    ignored."""
+    or cancelled job resumed through the API, or a job the jobs topic lost brought back by the
+    checkpointer. The job view revives an ended job (``pending`` again, planned anew); the
+    sharder creates the topics of the new incarnation and writes a :class:`ResumePoint` first
+    on its control topic. A resume of a job that has not ended is ignored."""
 
     EVENT: ClassVar[str] = "resumed"
 

@@ -15,7 +15,7 @@ Cost: a replay reads and applies at most the versions since the last checkpoint,
 
 A resumed job's log starts at the checkpoint it resumed from (``floor``): its slices open from
 that checkpoint's files (:func:`resumed_slice`), and a replay starts there at the beginning of
-the recreated grads partition, never from an older checkpoint.
+the new grads partition, never from an older checkpoint.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def restore_slice(
     manifest, states, skipped = await asyncio.to_thread(checkpoints.latest_good, [index])
     if manifest is not None and floor <= manifest.version <= target:
         base = states[index]
-        if base.version == floor:  # the recreated grads partition starts after it
+        if base.version == floor:  # the new grads partition starts after it
             base.grads_offset = 0
     elif floor > 0:
         fallback = SliceState(slice_index=index, version=target, values=last.values.clone(),
