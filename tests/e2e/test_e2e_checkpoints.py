@@ -36,7 +36,8 @@ KEEP_LAST = 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     with running_stack(
-        tmp_path_factory.mktemp("checkpoints") / "state", args=["--scale", "aggregator=2"]
+        tmp_path_factory.mktemp("checkpoints") / "state",
+        args=["--scale", "aggregator=2", "--health-timeout-s", "180"],
     ) as running:
         yield running
 
