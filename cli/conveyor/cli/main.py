@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from conveyor.cli import checkpoints as cli_checkpoints
 from conveyor.cli import jobs as cli_jobs
+from conveyor.cli import report as cli_report
 from conveyor.cli.options import DEFAULT_STATE_DIR, JsonFlag, StateDir, err, fail, out
 from conveyor.embedded import registry
 from conveyor.platform.config import check_retired_env
@@ -323,6 +324,7 @@ def service(
 
 cli_jobs.register(app)
 cli_checkpoints.register(app)
+cli_report.register(app)
 
 
 def main() -> None:
