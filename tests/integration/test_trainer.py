@@ -58,6 +58,8 @@ SPEC: dict[str, Any] = {
     "resources": {"device": "cpu", "threads": 1},
     "flow": {"max_lead_batches": 24, "shard_size": 64},
 }  # fmt: skip
+ONE_TRAINER = {**SPEC["distribution"], "trainers": 1}
+"""For a job of one trainer: the scheduler starts a job once the pool has what it asks."""
 
 
 @pytest.fixture
@@ -218,12 +220,14 @@ async def test_a_trainer_killed_mid_epoch_loses_nothing_and_counts_nothing_twice
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
     objects, job_id = tmp_path / "objects", "digitskill"
-    # The victim trains alone first, slowed down (the simulation knob) so that the epoch is
-    # still running when the second trainer has joined and the victim is killed.
+    # The victim trains alone first (the job is elastic: it runs with one trainer and grows to
+    # two), slowed down (the simulation knob) so that the epoch is still running when the
+    # second trainer has joined and the victim is killed.
+    spec = {**SPEC, "distribution": {**SPEC["distribution"], "min_trainers": 1}}
     victim = trainer_process(kafka, "t-victim", delay_s=0.1)
     try:
         async with job_log(kafka) as (topics, jobs), pipeline(kafka, objects):
-            await submit(kafka, topics, job_id, SPEC)
+            await submit(kafka, topics, job_id, spec)
 
             def trained(name: str) -> bool:
                 mine = jobs.of("progress", job_id, worker_id=name)
@@ -253,7 +257,7 @@ async def test_a_batch_computed_twice_fails_the_exactly_once_check(
     batch id once, its sample ids twice), passes every batch-id check of the coordinator; the
     ledger check of the finished job names the samples counted twice."""
     objects, job_id = tmp_path / "objects", "digitstwice"
-    spec = {**SPEC, "training": {**SPEC["training"], "epochs": 1}}
+    spec = {**SPEC, "training": {**SPEC["training"], "epochs": 1}, "distribution": ONE_TRAINER}
     fault = BatchComputedTwice("t-twice")
     fault.install(monkeypatch)
     async with (
@@ -300,12 +304,13 @@ async def plan_by_hand(
 async def test_an_unbuildable_job_fails_and_a_cancelled_job_is_left(kafka: KafkaSettings) -> None:
     service = trainer(kafka, "t-a")
     async with job_log(kafka) as (topics, jobs), running(service):
-        buffers = {**SPEC, "model": {"name": "resnet18", "width": 8, "norm": "batch"}}
+        alone = {**SPEC, "distribution": ONE_TRAINER}  # the pool is this one trainer
+        buffers = {**alone, "model": {"name": "resnet18", "width": 8, "norm": "batch"}}
         await plan_by_hand(kafka, topics, "badjob", buffers)
         await jobs.wait_for(lambda: jobs.of("failed", "badjob"))
         assert "buffers" in jobs.of("failed", "badjob")[0]["reason"]
 
-        await plan_by_hand(kafka, topics, "canceljob", SPEC)
+        await plan_by_hand(kafka, topics, "canceljob", alone)
         await jobs.wait_for(lambda: jobs.of("running", "canceljob"))
         assert service.current_job == "canceljob"  # waiting for version 0: no aggregator here
         await publish(kafka, topics, "canceljob", "cancel_requested", reason="test")

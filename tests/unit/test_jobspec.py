@@ -126,6 +126,30 @@ def test_each_rule_reports_its_field(
     assert fragment in errors[0][1]
 
 
+@pytest.mark.parametrize(
+    ("distribution", "loc", "fragment"),
+    [
+        ({"trainers": 2, "min_trainers": 3}, "min_trainers", "(3) must be <= trainers (2)"),
+        ({"trainers": 2, "max_trainers": 1}, "max_trainers", "(1) must be >= trainers (2)"),
+    ],
+)
+def test_trainer_bounds_must_hold_trainers(
+    distribution: dict[str, int], loc: str, fragment: str
+) -> None:
+    [(error_loc, msg)] = errors_of(spec_with("distribution", distribution))
+    assert error_loc == ("distribution", loc) and fragment in msg
+
+
+def test_trainer_bounds_and_priority_defaults() -> None:
+    spec = JobSpec.model_validate(BASE)
+    assert spec.priority == 0 and spec.distribution.trainer_bounds == (1, 1, 1)
+    elastic = JobSpec.model_validate(
+        spec_with("distribution", {"trainers": 2, "min_trainers": 1, "max_trainers": 4})
+    )
+    assert elastic.distribution.trainer_bounds == (1, 2, 4)
+    assert errors_of({**BASE, "priority": 1001})[0][0] == ("priority",)
+
+
 def test_global_batch_must_be_a_multiple_of_micro_batch() -> None:
     [(loc, msg)] = errors_of(spec_with("training.global_batch_size", 100))
     assert loc == ("training", "micro_batch_size")

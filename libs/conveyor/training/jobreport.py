@@ -73,7 +73,7 @@ class ReportLinks:
         return links
 
 
-_LIVE_STATES = frozenset({"pending", "planned", "running"})
+_LIVE_STATES = frozenset({"pending", "planned", "queued", "running"})  # queued: waits for trainers
 
 
 def line_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> str:

@@ -337,7 +337,14 @@ class CompressionSpec(_Spec):
 
 class DistributionSpec(_Spec):
     trainers: int = Field(default=1, ge=1, le=1024)
-    """Trainer processes the job wants."""
+    """Trainer processes the job wants from the pool (the scheduler gives it this many once
+    every job ahead of it has its minimum)."""
+    min_trainers: int | None = Field(default=None, ge=1, le=1024)
+    """Fewest trainers the job runs with (elastic job); None = ``trainers``. A job that cannot
+    get them waits in the queue."""
+    max_trainers: int | None = Field(default=None, ge=1, le=1024)
+    """Most trainers the job grows to when the pool has spare ones (elastic job); None =
+    ``trainers``."""
     aggregator_shards: int = Field(default=1, ge=1, le=256)
     """K, the parameter slices = partitions of the grads/params topics, each owned by one
     aggregator process at a time (the key predates the word "slice" and stays: a shard is a
@@ -351,6 +358,29 @@ class DistributionSpec(_Spec):
     routing of batches to partitions), follow its measured throughput; equal: the step is
     split equally and batches are not routed (each trainer reads an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+
+    @field_validator("min_trainers")
+    @classmethod
+    def _fewest_within_wanted(cls, fewest: int | None, info: ValidationInfo) -> int | None:
+        wanted = info.data.get("trainers")
+        if wanted is not None and fewest is not None and fewest > wanted:
+            raise ValueError(f"min_trainers ({fewest}) must be <= trainers ({wanted})")
+        return fewest
+
+    @field_validator("max_trainers")
+    @classmethod
+    def _most_within_wanted(cls, most: int | None, info: ValidationInfo) -> int | None:
+        wanted = info.data.get("trainers")
+        if wanted is not None and most is not None and most < wanted:
+            raise ValueError(f"max_trainers ({most}) must be >= trainers ({wanted})")
+        return most
+
+    @property
+    def trainer_bounds(self) -> tuple[int, int, int]:
+        """(fewest, wanted, most) trainers of the job; equal for a job that is not elastic."""
+        fewest = self.trainers if self.min_trainers is None else self.min_trainers
+        most = self.trainers if self.max_trainers is None else self.max_trainers
+        return fewest, self.trainers, most
 
 
 class CheckpointSpec(_Spec):
@@ -396,6 +426,9 @@ class JobSpec(_Spec):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")
     """Human name; lower-case letters, digits, '-', '_', '.'."""
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    """Scheduling priority: a higher one gets trainers first (and takes a lower one's elastic
+    extras); equal priorities are served in submission order."""
     model: ModelSpec
     dataset: DatasetSpec
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec, validate_default=True)

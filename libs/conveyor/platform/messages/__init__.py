@@ -79,6 +79,7 @@ from conveyor.platform.messages.job_events import (
     JobSubmitted,
     SamplesSkipped,
     TrainerJoined,
+    TrainerPresence,
     TrainerProgress,
 )
 
@@ -140,6 +141,7 @@ __all__ = [
     "TopicSpec",
     "Topics",
     "TrainerJoined",
+    "TrainerPresence",
     "TrainerProgress",
     "TrainerState",
     "batch_id_for",

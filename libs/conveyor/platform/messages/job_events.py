@@ -387,5 +387,34 @@ class CheckpointUnusable(JobEvent):
     """The process that found it."""
 
 
+@message("TrainerPresence", version=1)
+@dataclass(kw_only=True, slots=True)
+class TrainerPresence(Message):
+    """A trainer says it is in the pool, and which job it trains (the scheduler's input).
+
+    Not a job event: keyed by the worker id. Every trainer publishes one when it starts, when
+    the job it hosts changes, every ``ttl_s / 3`` seconds, and with ``leaving`` when it stops.
+    A trainer whose last presence is older than its ``ttl_s`` on the log's clock (the newest
+    ``at`` of the jobs topic) counts as gone (it died without saying so).
+    """
+
+    worker_id: str
+    """The trainer."""
+    job_id: str | None
+    """The job it hosts now (also while it lets the job go); None when idle."""
+    ttl_s: float
+    """Seconds after ``at`` (on the log's clock) when the trainer counts as gone."""
+    leaving: bool = False
+    """The trainer stops: take it out of the pool now."""
+    at: float = dataclasses.field(default_factory=time.time)
+    """When it was sent, unix time in seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("TrainerPresence.worker_id must not be empty")
+        if not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise ValueError(f"TrainerPresence.ttl_s must be > 0: {self.ttl_s}")
+
+
 TERMINAL_EVENTS: tuple[type[JobEvent], ...] = (JobCompleted, JobFailed, JobCancelled)
 """Events after which nothing more happens to a job."""

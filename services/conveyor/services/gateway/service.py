@@ -42,9 +42,11 @@ from conveyor.services.gateway.errors import (
 from conveyor.services.gateway.events import EventHub, JobsTail
 from conveyor.services.gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from conveyor.services.gateway.routes import install_routes
+from conveyor.services.gateway.schemas import ShownState
 from conveyor.training.jobspec import JobSpec
-from conveyor.training.jobview import JobState, JobsView, JobView
+from conveyor.training.jobview import JobsView, JobView
 from conveyor.training.locations import refused_locations
+from conveyor.training.scheduling import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +135,19 @@ class GatewayService(Service):
             raise JobNotFound(job_id)
         return job
 
-    def list_jobs(self, *, state: JobState | None = None, limit: int = 100) -> list[JobView]:
-        """Newest submission first, optionally in one state only."""
+    def list_jobs(self, *, state: ShownState | None = None, limit: int = 100) -> list[JobView]:
+        """Newest submission first, optionally in one state only (``queued``: the schedule's
+        queue, which holds planned and started jobs)."""
         self._require_ready()
-        return self.view.list(state=state, limit=limit)
+        if state != "queued":
+            return self.view.list(state=state, limit=limit)
+        queue = set(self.view.schedule().queue)
+        return [job for job in self.view.list(limit=len(self.view)) if job.job_id in queue][:limit]
+
+    def schedule(self) -> Schedule:
+        """Where the trainer pool goes now and the queue, from the jobs topic as read here."""
+        self._require_ready()
+        return self.view.schedule()
 
     async def submit(self, spec: JobSpec, idempotency_key: str | None) -> tuple[JobView, bool]:
         """Accept a job; returns (job, created). created is False for a repeated key.

@@ -30,6 +30,7 @@ from conveyor.platform.messages import (
     ResumePoint,
     SamplesSkipped,
     Topics,
+    TrainerPresence,
 )
 from conveyor.services.sharder.flow import FlowControl, RemainingSequence
 from conveyor.training.jobspec import JobSpec
@@ -152,6 +153,8 @@ class JobTable:
     def apply(self, received: Received) -> bool:
         """Fold one record; True when it may be acknowledged now (see the module docstring)."""
         event = received.message
+        if isinstance(event, TrainerPresence):
+            return True  # the trainer pool is the trainers' and the gateway's concern
         if not isinstance(event, JobEvent):
             logger.warning("ignoring %s on %s", type(event).__name__, received.topic)
             return True

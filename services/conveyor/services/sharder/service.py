@@ -357,7 +357,8 @@ class SharderService(Service):
 
     def _batches_partitions(self, job: JobRecord) -> int:
         assert job.spec is not None
-        return self.topology.batches_partitions(job.spec.distribution.trainers)
+        # Sized for the most trainers the job may grow to: each needs partitions to read.
+        return self.topology.batches_partitions(job.spec.distribution.trainer_bounds[2])
 
     async def _create_job_topics(self, job: JobRecord) -> None:
         assert self._admin is not None
