@@ -99,7 +99,7 @@ async def resume_job(job_id: str, backend: BackendDep) -> Job:
     """Restart a failed or cancelled job, under its id, from its newest usable checkpoint
     (``resumed_from``); it turns ``pending`` and runs on like before. 409 for a job that is
     running or completed, or that has no checkpoint to resume from."""
-    return Job.of(await backend.resume(job_id))
+    return Job.of(await backend.resume(job_id), backend.schedule())
 
 
 @router.get("/{job_id}/stages", responses=_NOT_FOUND)
