@@ -76,6 +76,9 @@ class Job(BaseModel):
     )
     skipped_reasons: list[str] = Field(description="'<file>: <reason>' of the first of them.")
     spec: dict[str, Any]
+    resumed_from: int | None = Field(
+        default=None, description="Checkpoint version of the latest resume (null: none)."
+    )
 
     @classmethod
     def of(cls, view: JobView, schedule: Schedule) -> Job:
@@ -101,6 +104,7 @@ class Job(BaseModel):
             skipped_samples=len(view.skipped_ids),
             skipped_reasons=list(view.skipped_reasons),
             spec=view.spec,
+            resumed_from=view.resumed_from,
         )
 
 
