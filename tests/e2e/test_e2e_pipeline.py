@@ -1,11 +1,12 @@
 """The data plane end to end on one embedded stack whose object store is S3 (`conveyor up
 --s3` against a moto server), one process per service: a normal run and a run over an npz
 dataset in S3 train every sample exactly once, bad input fails cleanly without hurting the
-stack, and a trainer SIGKILLed mid-job is replaced and its job still trains every sample
-exactly once. (The flow-control stack of test_e2e_flow.py covers the file:// object store.)
+stack, and a trainer SIGKILLed mid-job is restarted by the supervisor and its job still trains
+every sample exactly once. (The flow-control stack of test_e2e_flow.py covers the file://
+object store.)
 
 The tests share one stack (starting one costs ~30 s on two loaded cores) and run in file
-order; the trainer restart, which leaves the recorded trainer dead, is last.
+order.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from e2e_stack import (
 )
 from ledger_check import assert_exactly_once
 
+from conveyor.embedded.procs import is_alive
 from conveyor.embedded.report import probe_stack
+from conveyor.embedded.state import ServiceInfo, load_state
 from conveyor.platform.config import StorageSettings
 from conveyor.training.checkpoint import CheckpointStore
 from conveyor.training.datasets.pack import pack_npz
@@ -235,12 +238,11 @@ def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
     assert_exactly_once(stack.ledger(good), stack.train_ids(job), epochs=1)
 
 
-def test_trainer_killed_mid_job_is_replaced_without_loss_or_repeat(stack: RunningStack) -> None:
-    # The job's training state lives in the aggregators' slice owners: a replacement trainer
-    # joins at the newest parameter version and trains on; the batches the dead one held but
-    # whose step never closed are redelivered to it (uncommitted), the applied ones are not
-    # trained again.
-    env = stack.environ_of("trainer")  # the replacement runs with the stack's settings
+def test_trainer_killed_mid_job_is_restarted_without_loss_or_repeat(stack: RunningStack) -> None:
+    # The job's training state lives in the aggregators' slice owners: the supervisor (the
+    # autoscaler's local driver) starts the trainer again, which joins at the newest parameter
+    # version and trains on; the batches the dead one held but whose step never closed are
+    # redelivered to it (uncommitted), the applied ones are not trained again.
     job_id = stack.submit(digits_spec("trainer-restart"))
 
     def some_steps_applied() -> dict[str, Any] | None:
@@ -248,22 +250,39 @@ def test_trainer_killed_mid_job_is_replaced_without_loss_or_repeat(stack: Runnin
         return job if job["progress"]["step"] >= 5 else None
 
     at_kill = wait_for(some_steps_applied, timeout_s=90, interval_s=0.05, what="5 steps")
+    victim = stack.service("trainer")
+    log_path = Path(victim.process.log_path)
+    log_before = log_path.stat().st_size
     stack.kill("trainer")
     assert stack.job(job_id)["state"] == "running"
     steps_total = at_kill["plan"]["steps_per_epoch"] * 2
     assert at_kill["progress"]["step"] < steps_total
 
-    replacement = stack.start_extra("trainer-2", "trainer", env)
+    def restarted() -> ServiceInfo | None:
+        state = load_state(stack.state_dir)
+        assert state is not None
+        info = next(s for s in state.services if s.name == "trainer")
+        return info if info.process.pid != victim.process.pid and is_alive(info.process) else None
+
+    # Back within seconds: the first restart waits the 1 s backoff.
+    replacement = wait_for(restarted, timeout_s=10, what="the supervisor to restart the trainer")
+    assert replacement.port == victim.port and replacement.process.log_path == str(log_path)
     job = stack.wait_job(job_id, timeout_s=120)
     assert_completed_summary(stack, job, epochs=2)
     assert job["summary"]["eval_accuracy"] > 0.8
     assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
     # The gateway reports the coordinator's totals: no sample counted twice across trainers.
     assert job["progress"]["samples_trained"] == job["summary"]["samples"]
-    log = Path(replacement.process.log_path).read_text()
-    joined = re.search(rf"job {job_id}: joined at version (\d+)", log)
-    assert joined is not None, "the replacement trainer did not join the job"
+    with open(log_path, "rb") as log:
+        log.seek(log_before)
+        joined = re.search(rf"job {job_id}: joined at version (\d+)", log.read().decode())
+    assert joined is not None, "the restarted trainer did not join the job"
     assert at_kill["progress"]["step"] <= int(joined.group(1)) < steps_total
+    # The restart is on the autoscaler's topic, shown by the gateway.
+    restarts = httpx.get(f"{stack.state.gateway_url}/v1/autoscaler", timeout=5).json()["restarts"]
+    assert [(r["instance"], r["old_pid"], r["new_pid"]) for r in restarts] == [
+        ("trainer", victim.process.pid, replacement.process.pid)
+    ]
 
 
 def test_the_readmes_curl_examples_run_against_the_stack(

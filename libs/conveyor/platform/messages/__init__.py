@@ -95,9 +95,18 @@ from conveyor.platform.messages.gradient_plane import (
     sample_ids_tensor,
 )
 
+# isort: split
+from conveyor.platform.messages.scaling import (
+    SCALING_ACTIONS,
+    JobSignals,
+    ScalingDecision,
+    ServiceRestarted,
+)
+
 __all__ = [
     "COORDINATOR_WORKER_ID",
     "ENVELOPE_KEYS",
+    "SCALING_ACTIONS",
     "SPLITS",
     "TERMINAL_EVENTS",
     "AppliedContribution",
@@ -121,6 +130,7 @@ __all__ = [
     "JobEvent",
     "JobFailed",
     "JobPlanned",
+    "JobSignals",
     "JobSubmitted",
     "Message",
     "MessageSchema",
@@ -128,6 +138,8 @@ __all__ = [
     "Record",
     "Rejection",
     "SamplesSkipped",
+    "ScalingDecision",
+    "ServiceRestarted",
     "ShardTask",
     "SliceSaved",
     "StepClose",
