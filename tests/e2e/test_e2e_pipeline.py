@@ -29,6 +29,7 @@ from e2e_stack import (
     digits_arrays,
     digits_spec,
     list_topics,
+    metric_sum,
     pack_dataset,
     running_stack,
     wait_for,
@@ -45,6 +46,14 @@ from conveyor.training.datasets.pack import pack_npz
 from conveyor.training.exported import load_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+AUTOSCALER_ENV = {
+    # Quick to act, so a short job shows a whole cycle; the pool is 1 or 2 preprocessors.
+    "CONVEYOR_AUTOSCALER_INTERVAL_S": "0.5",
+    "CONVEYOR_AUTOSCALER_UP_INTERVAL_S": "3",
+    "CONVEYOR_AUTOSCALER_COOLDOWN_S": "4",
+    "CONVEYOR_AUTOSCALER_MAX_REPLICAS": "2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +101,7 @@ def stack(
         s3_region=s3["region"],
     )
     state_dir = tmp_path_factory.mktemp("pipeline") / "state"
-    with running_stack(state_dir, args=args, storage=storage) as running:
+    with running_stack(state_dir, args=args, env=AUTOSCALER_ENV, storage=storage) as running:
         assert running.state.storage_uri == storage_uri
         assert running.state.dataset_roots == (
             f"file://{data_dir}", f"s3://{s3['bucket']}/datasets",
@@ -236,6 +245,67 @@ def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
     job = stack.wait_job(good)
     assert_completed_summary(stack, job, epochs=1)
     assert_exactly_once(stack.ledger(good), stack.train_ids(job), epochs=1)
+
+
+def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
+    stack: RunningStack,
+) -> None:
+    # Decoding costs 3 ms of CPU per sample: one preprocessor cannot feed the trainer, and
+    # shard tasks wait for it. (On two cores a second one cannot feed it either: the pool
+    # stays at its ceiling without flapping; the policy's own tests show it holding once fed.)
+    gateway = stack.state.gateway_url
+
+    def autoscaler() -> dict[str, Any]:
+        status: dict[str, Any] = httpx.get(f"{gateway}/v1/autoscaler", timeout=5).json()
+        return status
+
+    def pool() -> list[ServiceInfo]:
+        state = load_state(stack.state_dir)
+        assert state is not None
+        return [s for s in state.services if s.name.startswith("preprocessor")]
+
+    # Earlier jobs of this stack may have grown the pool: it is back to 1 after the cooldown.
+    wait_for(lambda: len(pool()) == 1, timeout_s=30, what="a pool of one preprocessor")
+    changes_before = autoscaler()["changes"]
+    spec = digits_spec(
+        "autoscale",
+        epochs=6,
+        preprocess={"normalize": {"mean": [0.5], "std": [0.5]},
+                    "augment": [{"name": "cpu_cost", "ms": 3.0}]},
+    )  # fmt: skip
+    job_id = stack.submit(spec)
+    up = wait_for(
+        lambda: next((d for d in autoscaler()["decisions"] if d["action"] == "up"
+                      and any(j["job_id"] == job_id for j in d["jobs"])), None),
+        timeout_s=60, what="a step up for the job",
+    )  # fmt: skip
+    assert (up["replicas_before"], up["replicas_after"]) == (1, 2)
+    (inputs,) = [j for j in up["jobs"] if j["job_id"] == job_id]
+    assert inputs["data_wait_ratio"] > 0.05 and up["shards_lag"] > 0, up
+    added = next(s for s in pool() if s.name == "preprocessor-2")
+
+    def added_produced() -> bool:
+        try:  # refused while it starts (it imports torch)
+            metrics = stack.metrics(added)
+        except httpx.TransportError:
+            return False
+        return metric_sum(metrics, "conveyor_preprocessor_batches_total") > 0
+
+    wait_for(added_produced, timeout_s=60, interval_s=0.5, what="preprocessor-2's first batch")
+
+    job = stack.wait_job(job_id, timeout_s=150)
+    assert_completed_summary(stack, job, epochs=6)
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=6)
+
+    # The work is gone: one cooldown later the pool is back to its minimum, the added
+    # process stopped (gracefully) and out of stack.json.
+    wait_for(lambda: len(pool()) == 1, timeout_s=30, what="the pool back to one")
+    wait_for(lambda: not is_alive(added.process), timeout_s=30, what="preprocessor-2 to stop")
+    status = autoscaler()
+    down = status["decisions"][0]
+    assert (down["action"], down["replicas_before"], down["replicas_after"]) == ("down", 2, 1)
+    assert "work is gone" in down["reason"]
+    assert status["changes"] - changes_before == 2  # up, down: no flapping
 
 
 def test_trainer_killed_mid_job_is_restarted_without_loss_or_repeat(stack: RunningStack) -> None:

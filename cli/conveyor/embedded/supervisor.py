@@ -31,7 +31,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -77,7 +77,10 @@ class LocalDriver(ScaleDriver):
         backoff_max_s: float,
         reset_s: float,
         stop_timeout_s: float = 30.0,
+        argv_for: Callable[[str], list[str]] = service_argv,
     ) -> None:
+        """``argv_for`` builds a service's command line (tests substitute stand-ins)."""
+        self._argv_for = argv_for
         self._state_dir = state_dir
         self._env = dict(env)
         self._service = service
@@ -170,7 +173,7 @@ class LocalDriver(ScaleDriver):
             port = free_port(host)
         env = {**self._env, "CONVEYOR_TELEMETRY_HTTP_PORT": str(port)}
         log_path = Path(state.state_dir) / "logs" / f"{instance}.log"
-        process = spawn(service_argv(registry.service_of(instance)), env, log_path)
+        process = spawn(self._argv_for(registry.service_of(instance)), env, log_path)
         return ServiceInfo(name=instance, process=ProcessInfo.of(process.pid, log_path),
                            host=host, port=port, serves_api=serves_api)  # fmt: skip
 
