@@ -17,19 +17,28 @@ costs no CPU), so one preprocessor cannot feed it and ``--peak`` can:
 Measured from the job's submission: **seconds to fed**, until the trainers' data wait (the
 gateway's job progress: their recent exposed data wait / step time) is first under 5%
 (None: never), and **preprocessor-seconds**, the preprocessor processes alive (stack.json,
-sampled every 0.5 s) integrated over the job's life. Each repeat runs the three in a rotated
-order; figures are medians over repeats. The last line printed is one JSON object:
+sampled every 0.5 s) integrated from the submission to ``--idle-s`` after the job's end (a
+pool costs while it waits for the next job; the autoscaler's cooldown is 60 s).
+
+``--model`` runs the three policies on the fluid model of ``loadtests/autoscale_model.py``
+instead (the real policy fold, a simulated pipeline: seconds, no processes), for the sizes a
+two-core machine cannot run: a real pool that must outgrow one core beside the trainer.
+
+Each repeat runs the three in a rotated order; figures are medians over repeats. The last
+line printed is one JSON object:
 {"seconds_to_fed": ..., "seconds_to_fed_lag_only": ..., "preprocessor_seconds_vs_fixed_peak":
 <autoscaler / fixed>} (plus the other figures).
 
     .venv/bin/python -m loadtests.bench_autoscale            # 1 repeat
     .venv/bin/python -m loadtests.bench_autoscale --repeats 3
+    .venv/bin/python -m loadtests.bench_autoscale --model    # the fluid model, in seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import statistics
@@ -190,6 +199,7 @@ def run_one(policy: str, args: argparse.Namespace) -> RunResult:
         ended = time.monotonic()
         if job["state"] != "completed":
             raise RuntimeError(f"{policy}: job {job['state']}: {job.get('reason')}")
+        time.sleep(args.idle_s)  # the pool while no job runs
         decisions = (scaler.decisions if scaler is not None
                      else gateway.get("/v1/autoscaler").json()["changes"])  # fmt: skip
     finally:
@@ -200,11 +210,23 @@ def run_one(policy: str, args: argparse.Namespace) -> RunResult:
     return RunResult(
         policy=policy,
         seconds_to_fed=None if fed_at is None else round(fed_at - submitted, 1),
-        preprocessor_seconds=round(sampler.seconds(submitted, ended), 1),
+        preprocessor_seconds=round(sampler.seconds(submitted, ended + args.idle_s), 1),
         job_seconds=round(ended - submitted, 1),
         peak_replicas=max((n for _, n in sampler.samples), default=0),
         decisions=decisions,
     )
+
+
+def model_one(policy: str, args: argparse.Namespace) -> RunResult:
+    """One policy on the fluid model (demand and rate in samples/s, as in Pipeline)."""
+    from loadtests.autoscale_model import Pipeline, simulate
+
+    pipe = Pipeline(demand=args.model_demand, rate=args.model_rate, start_s=args.model_start_s)
+    out = simulate(policy, pipe, peak=args.model_peak, idle_s=args.idle_s,
+                   threshold=args.lag_threshold, poll_s=args.lag_poll_s)  # fmt: skip
+    return RunResult(policy=policy, seconds_to_fed=out.seconds_to_fed,
+                     preprocessor_seconds=out.preprocessor_seconds, job_seconds=out.job_seconds,
+                     peak_replicas=out.peak_replicas, decisions=out.decisions)  # fmt: skip
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -223,14 +245,20 @@ def main() -> None:
     parser.add_argument("--lag-threshold", type=int, default=2, help="shard tasks per replica")
     parser.add_argument("--lag-poll-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--idle-s", type=float, default=90.0, help="counted after the job")
+    parser.add_argument("--model-peak", type=int, default=5)
+    parser.add_argument("--model-demand", type=float, default=1000.0, help="samples/s")
+    parser.add_argument("--model-rate", type=float, default=300.0, help="per preprocessor")
+    parser.add_argument("--model-start-s", type=float, default=8.0, help="a replica's start")
+    parser.add_argument("--model", action="store_true", help="the fluid model, no processes")
     args = parser.parse_args()
     policies = ["autoscaler", "fixed", "lag_only"]
     results: list[RunResult] = []
-    for repeat in range(args.repeats):
+    for repeat in range(1 if args.model else args.repeats):
         order = policies[repeat % 3 :] + policies[: repeat % 3]
         for policy in order:
-            result = run_one(policy, args)
-            print(json.dumps(result.__dict__), flush=True)
+            result = model_one(policy, args) if args.model else run_one(policy, args)
+            print(json.dumps(dataclasses.asdict(result)), flush=True)
             results.append(result)
 
     def figures(policy: str) -> list[RunResult]:
@@ -252,7 +280,8 @@ def main() -> None:
         ),
         "job_seconds": {name: _median([r.job_seconds for r in figures(name)])
                         for name in policies},
-        "repeats": args.repeats,
+        "repeats": 1 if args.model else args.repeats,
+        "mode": "model" if args.model else "stack",
     }))  # fmt: skip
 
 

@@ -54,8 +54,11 @@ class AutoscalerSettings(_FileAwareSettings):
         default=0.01, description="Scale down only while every trainer waits less than this."
     )
     up_interval_s: Annotated[float, Field(ge=0, le=3600)] = Field(
-        default=10.0,
-        description="Least seconds between two steps up (the trainers' data-wait window).",
+        default=20.0,
+        description=(
+            "Least seconds between two steps up: a new preprocessor's start plus the "
+            "trainers' data-wait window (CONVEYOR_TRAINER_RATE_WINDOW_S)."
+        ),
     )
     cooldown_s: Annotated[float, Field(ge=0, le=86400)] = Field(
         default=60.0, description="Seconds of surplus (and no change) before each step down."

@@ -48,8 +48,8 @@ class PolicyConfig:
     """Scale up while a job's trainers wait for data more than this share of their step time."""
     calm_data_wait_ratio: float = 0.01
     """Scale down only while every job's trainers wait less than this (< the target)."""
-    up_interval_s: float = 10.0
-    """Least seconds between two steps up."""
+    up_interval_s: float = 20.0
+    """Least seconds between two steps up: a new replica's start plus the data-wait window."""
     cooldown_s: float = 60.0
     """Seconds the pool must have been in surplus (and unchanged) before each step down."""
     surplus_batches_per_trainer: int = 16

@@ -82,10 +82,13 @@ class AutoscalerService(Service):
         waiting = asyncio.create_task(wait_for_topics(
             self.kafka, [topics.jobs, topics.shards, topics.autoscaler]
         ))  # fmt: skip
-        while not waiting.done():
-            await self._supervise()
-            await asyncio.wait([waiting], timeout=self.settings.interval_s)
-        await waiting
+        try:
+            while not waiting.done():
+                await self._supervise()
+                await asyncio.wait([waiting], timeout=self.settings.interval_s)
+            await waiting
+        finally:
+            waiting.cancel()
         reader = JobLogReader(self.kafka, topics.jobs, self.view, service=self.name)
         await reader.start()
         async with AsyncExitStack() as stack, asyncio.TaskGroup() as group:
