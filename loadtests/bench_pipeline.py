@@ -390,7 +390,8 @@ def run_baseline(spec: dict[str, Any], args: argparse.Namespace, warmup: int) ->
         "transport": args.baseline_transport,
     }
     result = subprocess.run(
-        [sys.executable, __file__, "--baseline-config", json.dumps(config)],
+        [sys.executable, "-m", "loadtests.bench_pipeline", "--baseline-config", json.dumps(config)],
+        cwd=ROOT,  # `loadtests` is importable from the repository root, installed or not
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT_S,
