@@ -269,7 +269,7 @@ def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
     changes_before = autoscaler()["changes"]
     spec = digits_spec(
         "autoscale",
-        epochs=6,
+        epochs=8,
         preprocess={"normalize": {"mean": [0.5], "std": [0.5]},
                     "augment": [{"name": "cpu_cost", "ms": 3.0}]},
     )  # fmt: skip
@@ -291,11 +291,11 @@ def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
             return False
         return metric_sum(metrics, "conveyor_preprocessor_batches_total") > 0
 
-    wait_for(added_produced, timeout_s=60, interval_s=0.5, what="preprocessor-2's first batch")
+    wait_for(added_produced, timeout_s=120, interval_s=0.5, what="preprocessor-2 to produce")
 
     job = stack.wait_job(job_id, timeout_s=150)
-    assert_completed_summary(stack, job, epochs=6)
-    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=6)
+    assert_completed_summary(stack, job, epochs=8)
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=8)
 
     # The work is gone: one cooldown later the pool is back to its minimum, the added
     # process stopped (gracefully) and out of stack.json.
