@@ -1,11 +1,13 @@
 """The autoscaler's policy fold, without a broker: clamp, up fast, hold, down after the cooldown,
-the remembered starving size, and a bounded number of decisions over a whole job."""
+the remembered starving size, and a bounded number of decisions over a whole job; and the
+settings' checks."""
 
 from __future__ import annotations
 
 import pytest
 
 from conveyor.platform.messages import JobSignals
+from conveyor.services.autoscaler.config import AutoscalerSettings
 from conveyor.services.autoscaler.policy import PolicyConfig, ScalingPolicy, Signals
 
 CONFIG = PolicyConfig(min_replicas=1, max_replicas=6, up_interval_s=10, cooldown_s=60)
@@ -120,3 +122,14 @@ def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="calm_data_wait_ratio"):
         PolicyConfig(min_replicas=1, max_replicas=2, target_data_wait_ratio=0.01,
                      calm_data_wait_ratio=0.02)  # fmt: skip
+
+
+def test_settings_refuse_what_their_driver_would_ignore() -> None:
+    settings = AutoscalerSettings(driver="kubernetes", kubernetes_deployment="prep")
+    assert settings.policy().min_replicas == 1
+    with pytest.raises(ValueError, match="docker_project apply to the docker driver only"):
+        AutoscalerSettings(driver="kubernetes", docker_project="conveyor")
+    with pytest.raises(ValueError, match="driver local needs stack_dir"):
+        AutoscalerSettings(driver="local")
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscalerSettings(driver="kubernetes", min_replicas=4, max_replicas=2)

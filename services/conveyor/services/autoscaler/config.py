@@ -12,6 +12,13 @@ from conveyor.services.autoscaler.policy import PolicyConfig
 
 Driver = Literal["local", "docker", "kubernetes"]
 
+_DRIVER_SETTINGS: dict[str, tuple[str, ...]] = {
+    "local": ("restart_", "stack_dir"),
+    "docker": ("docker_",),
+    "kubernetes": ("kubernetes_",),
+}
+"""The settings of one driver (by name prefix): set for another driver, they are refused."""
+
 
 class AutoscalerSettings(_FileAwareSettings):
     """What the autoscaler sizes, how, and by which rules (``docs/operations.md``)."""
@@ -110,6 +117,12 @@ class AutoscalerSettings(_FileAwareSettings):
     @model_validator(mode="after")
     def _check(self) -> AutoscalerSettings:
         self.policy()  # ValueError for thresholds or bounds that contradict each other
+        for driver, prefixes in _DRIVER_SETTINGS.items():
+            foreign = sorted(name for name in self.model_fields_set
+                             if name.startswith(prefixes) and driver != self.driver)  # fmt: skip
+            if foreign:
+                raise ValueError(f"{', '.join(foreign)} apply to the {driver} driver only, "
+                                 f"not to {self.driver}")  # fmt: skip
         if self.driver == "local" and not self.stack_dir:
             raise ValueError("driver local needs stack_dir (conveyor up sets it)")
         if self.driver == "docker" and not self.docker_project:
