@@ -15,10 +15,11 @@ costs no CPU), so one preprocessor cannot feed it and ``--peak`` can:
                 local driver (KEDA's formula: desired = ceil(total lag / lagThreshold)).
 
 Measured from the job's submission: **seconds to fed**, until the trainers' data wait (the
-gateway's job progress: their recent exposed data wait / step time) is first under 5%
-(None: never), and **preprocessor-seconds**, the preprocessor processes alive (stack.json,
-sampled every 0.5 s) integrated from the submission to ``--idle-s`` after the job's end (a
-pool costs while it waits for the next job; the autoscaler's cooldown is 60 s).
+gateway's job progress: their recent exposed data wait / step time) is under 5% and stays
+there for 10 s, the trainers' window (None: never), and **preprocessor-seconds**, the
+preprocessor processes alive (stack.json, sampled every 0.5 s) integrated from the submission
+to ``--idle-s`` after the job's end (a pool costs while it waits for the next job; the
+autoscaler's cooldown is 60 s).
 
 ``--model`` runs the three policies on the fluid model of ``loadtests/autoscale_model.py``
 instead (the real policy fold, a simulated pipeline: seconds, no processes), for the sizes a
@@ -53,6 +54,8 @@ import httpx
 from loadtests._bench_common import ConveyorStack
 
 FED_RATIO = 0.05
+FED_HOLD_S = 10.0
+"""Fed = the trainers' data wait stays under FED_RATIO this long (their data-wait window)."""
 SAMPLE_S = 0.5
 
 
@@ -163,6 +166,17 @@ class LagOnlyScaler:
                     self.decisions += 1
 
 
+def fed_after(readings: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """Seconds from ``start`` to the first reading under FED_RATIO that begins a stretch of
+    such readings lasting FED_HOLD_S (or to the job's ``end``): one low reading in a starving
+    start (the first batches were ready before the trainer) is not fed."""
+    for index, (at, _) in enumerate(readings):
+        stretch = [w for t, w in readings[index:] if t <= min(at + FED_HOLD_S, end)]
+        if all(w < FED_RATIO for w in stretch):
+            return round(at - start, 1)
+    return None
+
+
 def run_one(policy: str, args: argparse.Namespace) -> RunResult:
     env = {
         "CONVEYOR_PREPROCESSOR_CONCURRENCY": "1",
@@ -185,12 +199,12 @@ def run_one(policy: str, args: argparse.Namespace) -> RunResult:
         job_id = gateway.post("/v1/jobs", json=spec).json()["id"]
         if scaler is not None:
             scaler.start()
-        fed_at = None
+        readings: list[tuple[float, float]] = []
         while True:
             job = gateway.get(f"/v1/jobs/{job_id}").json()
             wait = job["progress"]["data_wait_ratio"]
-            if fed_at is None and wait is not None and wait < FED_RATIO:
-                fed_at = time.monotonic()
+            if wait is not None:
+                readings.append((time.monotonic(), wait))
             if job["state"] in ("completed", "failed", "cancelled"):
                 break
             if time.monotonic() - submitted > args.timeout_s:
@@ -209,7 +223,7 @@ def run_one(policy: str, args: argparse.Namespace) -> RunResult:
         stack.stop()
     return RunResult(
         policy=policy,
-        seconds_to_fed=None if fed_at is None else round(fed_at - submitted, 1),
+        seconds_to_fed=fed_after(readings, submitted, ended),
         preprocessor_seconds=round(sampler.seconds(submitted, ended + args.idle_s), 1),
         job_seconds=round(ended - submitted, 1),
         peak_replicas=max((n for _, n in sampler.samples), default=0),
