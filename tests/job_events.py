@@ -65,6 +65,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "data_wait_ratio_job": None,
     "stage_latency_s": {},
     "stage_latency_p95_s": {},
+    "step_time_s": {},
 }
 
 

@@ -2,8 +2,10 @@
 --s3` against a moto server), one process per service: a normal run and a run over an npz
 dataset in S3 train every sample exactly once, bad input fails cleanly without hurting the
 stack, and a trainer SIGKILLed mid-job is restarted by the supervisor and its job still trains
-every sample exactly once. (The flow-control stack of test_e2e_flow.py covers the file://
-object store.)
+every sample exactly once; the autoscaler grows the pool of a starving job and shrinks it after.
+(The flow-control stack of test_e2e_flow.py covers the file:// object store.) A real Prometheus
+with the project's scrape configuration scrapes the stack during the normal run and answers
+every panel of the Grafana dashboard.
 
 The tests share one stack (starting one costs ~30 s on two loaded cores) and run in file
 order.
@@ -13,13 +15,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from e2e_stack import (
@@ -36,7 +41,11 @@ from e2e_stack import (
     write_digits_npz,
 )
 from ledger_check import assert_exactly_once
+from PIL import Image
+from prometheus_server import DASHBOARD, PrometheusServer
+from servers import headless_chromium, require_binary
 
+from conveyor.embedded import registry
 from conveyor.embedded.procs import is_alive
 from conveyor.embedded.report import probe_stack
 from conveyor.embedded.state import ServiceInfo, load_state
@@ -109,6 +118,22 @@ def stack(
         yield running
 
 
+@pytest.fixture(scope="module")
+def prometheus(
+    stack: RunningStack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PrometheusServer | None]:
+    """Prometheus scraping the stack from before the normal run on; None without the binary
+    (the test that needs it skips or fails then; the others run)."""
+    if shutil.which("prometheus") is None:
+        yield None
+        return
+    server = PrometheusServer(stack.state_dir, tmp_path_factory.mktemp("tsdb"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def assert_completed_summary(stack: RunningStack, job: dict[str, object], epochs: int) -> None:
     assert job["state"] == "completed", job.get("reason")
     summary = job["summary"]
@@ -121,7 +146,9 @@ def assert_completed_summary(stack: RunningStack, job: dict[str, object], epochs
     assert stack.store().exists(f"jobs/{job['id']}/model.safetensors")
 
 
-def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack, tmp_path: Path) -> None:
+def test_normal_run_trains_every_sample_exactly_once(
+    stack: RunningStack, prometheus: PrometheusServer | None, tmp_path: Path
+) -> None:
     job_id = stack.submit(digits_spec("ledger-normal", checkpoint={"every_steps": 5}))
     job = stack.wait_job(job_id)
     assert_completed_summary(stack, job, epochs=2)
@@ -161,6 +188,93 @@ def test_normal_run_trains_every_sample_exactly_once(stack: RunningStack, tmp_pa
     exec(snippet.replace('"my-model"', repr(str(tmp_path / "model"))), scope)
     assert torch.equal(torch.cat([p.detach().flatten() for p in scope["model"].parameters()]), flat)
     assert torch.equal(flat, torch.cat([states[p].values for p in sorted(states)]))
+
+
+def _panel_needs_data(expr: str) -> bool:
+    """Every panel query must answer, but for hardware or services this run lacks: GPU gauges
+    exist only on a CUDA trainer, the autoscaler's only once it is a registered service."""
+    if "conveyor_trainer_gpu_" in expr:
+        return torch.cuda.is_available()
+    if "conveyor_autoscaler_" in expr:
+        return "autoscaler" in registry.SERVICES
+    return True
+
+
+def test_prometheus_scrapes_every_service_and_answers_every_dashboard_panel(
+    stack: RunningStack, prometheus: PrometheusServer | None
+) -> None:
+    require_binary("prometheus", install="apt-get install prometheus")
+    assert prometheus is not None
+    (job,) = [j for j in stack.gateway.jobs(state="completed") if j["name"] == "ledger-normal"]
+    trained = job["summary"]["samples"]
+    # The counter moved with the run: Prometheus's last scrape has the job's samples.
+    wait_for(
+        lambda: prometheus.finite_values("sum(conveyor_trainer_samples_total)") == [trained],
+        timeout_s=20,
+        what=f"a scrape with the normal run's {trained} samples\n{prometheus.log_tail()}",
+    )
+    up = {
+        sample["metric"]["process"]: sample["value"][1]
+        for sample in prometheus.query('up{job="conveyor-embedded"}')
+    }
+    assert up == {service.name: "1" for service in stack.state.services}
+    # Every panel as a dashboard over the run shows it (the rates' 1 m windows end a minute
+    # after the job), and the throughput and step time rose during it.
+    start_s, end_s = job["submitted_at"], min(job["updated_at"] + 60, time.time())
+
+    def during_run(expr: str) -> list[float]:
+        return prometheus.finite_values_between(expr, start_s, end_s)
+
+    assert max(during_run("sum(rate(conveyor_preprocessor_samples_total[1m]))")) > 0
+    assert max(during_run("sum(rate(conveyor_trainer_compute_seconds_sum[1m]))")) > 0
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    empty = [
+        (panel["title"], target["expr"])
+        for panel in panels
+        for target in panel["targets"]
+        if _panel_needs_data(target["expr"]) and not during_run(target["expr"])
+    ]
+    assert not empty, f"dashboard queries without data: {empty}"
+
+
+def _polylines(html: str) -> list[tuple[str, str, str]]:
+    """(series, point count, points) of every chart line in a page."""
+    return re.findall(r'<polyline data-series="([^"]+)" data-points="(\d+)" points="([^"]+)"', html)
+
+
+def test_the_job_page_renders_in_chromium_and_the_report_draws_the_same_curves(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    (job,) = [j for j in stack.gateway.jobs(state="completed") if j["name"] == "ledger-normal"]
+    url = f"{stack.state.gateway_url}/jobs/{job['id']}"
+    shot = tmp_path / "page.png"
+    dom = headless_chromium(url, "--dump-dom", f"--screenshot={shot}")
+    assert f'<code id="job-id">{job["id"]}</code>' in dom
+    assert '<span class="state" id="job-state">completed</span>' in dom
+    lines = _polylines(dom)
+    # One point per epoch on each curve; the table shows the last epoch's accuracy.
+    assert [(series, count) for series, count, _ in lines] == [
+        ("train loss", "2"), ("eval loss", "2"), ("eval accuracy", "2"),
+    ]  # fmt: skip
+    assert f"<td>{job['epochs'][1]['eval_accuracy']:.4g}</td></tr></tbody></table>" in dom
+    assert "compute: " in dom and " ms (" in dom  # the step-time parts the trainer reported
+    with Image.open(shot) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    assert pixels.shape[:2] == (1300, 1000)
+    drawn = (pixels < 200).any(axis=2)  # not white or near-white
+    assert drawn.mean() > 0.02, f"screenshot nearly blank: {drawn.mean():.2%} drawn"
+    blue = (np.abs(pixels.astype(int) - (0x1F, 0x77, 0xB4)).sum(axis=2) < 30).sum()
+    assert blue > 200, "no curve in the first series' colour"
+    # The jobs list links to the page.
+    listing = httpx.get(f"{stack.state.gateway_url}/jobs", timeout=10).text
+    assert f'href="/jobs/{job["id"]}"' in listing
+
+    report = tmp_path / "report.html"
+    cli = ("--state-dir", str(stack.state_dir), "--output", str(report))
+    written = conveyor("report", job["id"], *cli, env=stack.env)
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.strip() == str(report)
+    assert _polylines(report.read_text()) == lines
 
 
 def test_npz_dataset_in_s3_trains_every_sample_exactly_once(

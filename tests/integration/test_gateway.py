@@ -210,6 +210,13 @@ async def test_list_get_and_not_found(gateway: Gateway, kafka_settings: KafkaSet
     assert failed["state"] == "failed" and failed["reason"] == "dataset unreadable"
     missing = await gateway.client.get("/v1/jobs/nope")
     assert missing.status_code == 404 and missing.json() == {"detail": "job 'nope' not found"}
+    # The pages for people: the list links every job, a job's page shows its state and reason.
+    page = await gateway.client.get("/jobs")
+    assert page.headers["content-type"].startswith("text/html")
+    assert [f'href="/jobs/{job_id}"' in page.text for job_id in ids] == [True] * 3
+    failed_page = (await gateway.client.get(f"/jobs/{ids[1]}")).text
+    assert 'id="job-state">failed</span>' in failed_page and "dataset unreadable" in failed_page
+    assert (await gateway.client.get("/jobs/nope")).status_code == 404
     bad_filter = await gateway.client.get("/v1/jobs", params={"state": "sleeping"})
     assert bad_filter.status_code == 422
 
@@ -322,6 +329,9 @@ async def test_bearer_auth(kafka_settings: KafkaSettings) -> None:
         assert (await gw.client.post("/v1/jobs", json=SPEC, headers=good)).status_code == 201
         for open_path in ("/healthz", "/readyz", "/metrics"):
             assert (await gw.client.get(open_path)).status_code == 200
+        # The job pages show the same data: the same token.
+        assert (await gw.client.get("/jobs")).status_code == 401
+        assert (await gw.client.get("/jobs", headers=good)).status_code == 200
 
 
 async def test_body_limit(gateway: Gateway) -> None:
@@ -464,6 +474,8 @@ async def test_metrics(gateway: Gateway) -> None:
     text = (await gateway.client.get("/metrics")).text
     assert 'conveyor_gateway_requests_total{code="201",route="/v1/jobs"}' in text
     assert 'conveyor_gateway_requests_total{code="404",route="/v1/jobs/{job_id}"}' in text
+    assert 'conveyor_gateway_request_seconds_count{route="/v1/jobs"}' in text
+    assert 'conveyor_gateway_build_info{python="' in text
     assert 'conveyor_gateway_jobs{state="pending"}' in text
 
 

@@ -419,3 +419,12 @@ def test_version_flag() -> None:
 
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.stdout.strip() == f"conveyor {version('conveyor')}"
+
+
+def test_report_refuses_a_link_that_is_not_a_web_address(tmp_path: Path) -> None:
+    output = tmp_path / "report.html"
+    args = ["report", "j1", "--grafana-url", "localhost:3000", "--output", str(output)]
+    result = runner.invoke(app, [*args, "--gateway", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    assert "grafana_url must be an http:// or https:// URL" in result.output
+    assert not output.exists()

@@ -529,10 +529,22 @@ def test_dashboard_panels_query_conveyor_metrics(
             assert panel["datasource"]["uid"] in uids
             assert panel["targets"], f"panel {panel['title']!r} has no query"
             for target in panel["targets"]:
-                found = re.findall(r"\bconveyor_[a-z0-9_]+", target["expr"])
+                # A metric by name, or a family by name pattern (the services' build_info).
+                found = re.findall(
+                    r'\bconveyor_[a-z0-9_]+|__name__=~"conveyor_[^"]+"', target["expr"]
+                )
                 assert found, f"panel {panel['title']!r} queries no conveyor_ metric"
                 metrics.update(found)
-    assert {"conveyor_bus_consumer_lag_records", "conveyor_bus_dead_letters_total"} <= metrics
+    assert {
+        "conveyor_bus_consumer_lag_records",
+        "conveyor_bus_dead_letters_total",
+        "conveyor_trainer_samples_total",
+        "conveyor_trainer_data_wait_ratio",
+        "conveyor_trainer_gpu_utilization_ratio",
+        "conveyor_checkpointer_checkpoint_seconds_bucket",
+        "conveyor_autoscaler_replicas",
+        "conveyor_gateway_request_seconds_bucket",
+    } <= metrics
 
 
 def test_jaeger_config_matches_published_ports(services: dict[str, Any]) -> None:

@@ -118,9 +118,11 @@ def test_progress_sums_workers_and_keeps_latest_report_each() -> None:
         ev("a", "progress", at=2.0, worker_id="w0", epoch=0, step=3, samples_trained=96,
            loss=2.0, samples_per_second=100.0, data_wait_ratio=0.1),
         ev("a", "progress", at=3.0, worker_id="w1", epoch=0, step=4, samples_trained=128,
-           loss=1.5, samples_per_second=50.0, data_wait_ratio=0.3),
+           loss=1.5, samples_per_second=50.0, data_wait_ratio=0.3,
+           step_time_s={"compute": 0.4, "param_wait": 0.1}),
         ev("a", "progress", at=4.0, worker_id="w0", epoch=1, step=5, samples_trained=160,
-           loss=1.2, samples_per_second=120.0, data_wait_ratio=0.2),
+           loss=1.2, samples_per_second=120.0, data_wait_ratio=0.2,
+           step_time_s={"compute": 0.2, "data_wait": 0.05}),
     )  # fmt: skip
     job = view.get("a")
     assert job is not None
@@ -131,6 +133,10 @@ def test_progress_sums_workers_and_keeps_latest_report_each() -> None:
     assert progress["batches_consumed"] == 0 and progress["consumed_train_batches"] == 0
     assert progress["samples_per_second"] == pytest.approx(170.0)
     assert progress["data_wait_ratio"] == pytest.approx(0.25)
+    # Each part's mean over the trainers that report it, from their latest reports.
+    assert progress["step_time_s"] == pytest.approx(
+        {"compute": 0.3, "data_wait": 0.05, "param_wait": 0.1}
+    )
     assert progress["loss"] == 1.2
     assert progress["total_steps"] == 30
     assert progress["workers"] == ["w0", "w1"]

@@ -57,6 +57,9 @@ def test_progress_and_heartbeat_carry_the_figures() -> None:
     assert (event.duplicates, event.eval_batches, event.grad_bytes, event.loss) == (1, 1, 1000, 0.5)
     # wait 0.5 against encode 0.25 + grad send 0.2 (the micro-batches' compute is batch_done's)
     assert event.data_wait_ratio_job == pytest.approx(0.5 / 0.95)
+    assert event.step_time_s == pytest.approx(
+        {"data_wait": 0.5, "h2d": 0.1, "compute": 1.25, "grad_send": 0.2, "param_wait": 0.3}
+    )
     queues = {"outstanding": 2, "ready_batches": 1, "queued_batches": 0, "held_batches": 0,
               "in_flight": 3}  # fmt: skip
     state = counted.heartbeat(epoch=1, version=3, queues=queues, batches_partitions=[1])

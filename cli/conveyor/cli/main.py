@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 
 from conveyor.cli import jobs as cli_jobs
+from conveyor.cli import report as cli_report
 from conveyor.cli.options import DEFAULT_STATE_DIR, JsonFlag, StateDir, err, fail, out
 from conveyor.embedded import registry
 from conveyor.platform.config import check_retired_env
@@ -321,6 +322,7 @@ def service(
 
 
 cli_jobs.register(app)
+cli_report.register(app)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.embedded.procs import ProcessInfo
+from conveyor.embedded.scrape import remove_scrape_targets, write_scrape_targets
 from conveyor.platform.errors import ConveyorError
 
 STATE_FILE = "stack.json"
@@ -149,7 +150,8 @@ def load_state(state_dir: Path) -> StackState | None:
 
 
 def save_state(state: StackState) -> None:
-    """Write ``stack.json`` atomically (temp file + fsync + rename)."""
+    """Write ``stack.json`` atomically (temp file + fsync + rename), and the Prometheus scrape
+    targets that follow it (:mod:`conveyor.embedded.scrape`)."""
     path = state_path(Path(state.state_dir))
     tmp = path.with_suffix(".json.tmp")
     with open(tmp, "w") as out:
@@ -157,10 +159,12 @@ def save_state(state: StackState) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+    write_scrape_targets(state)
 
 
 def remove_state(state_dir: Path) -> None:
     state_path(state_dir).unlink(missing_ok=True)
+    remove_scrape_targets(state_dir)
 
 
 @contextlib.contextmanager

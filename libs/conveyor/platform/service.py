@@ -34,7 +34,7 @@ from prometheus_client.exposition import choose_encoder
 from conveyor.platform.config import TelemetrySettings
 from conveyor.platform.errors import ConveyorError
 from conveyor.platform.lifecycle import AsyncLifecycle
-from conveyor.platform.telemetry import metric_name, setup_logging, setup_tracing
+from conveyor.platform.telemetry import build_info, metric_name, setup_logging, setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class Service(AsyncLifecycle):
         if not isinstance(getattr(self, "name", None), str):
             raise TypeError(f"{type(self).__name__} must set the class attribute `name`")
         metric_name(self.name, "x")  # ValueError unless usable in metric names
+        build_info(self.name)
         if drain_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("drain_timeout_s and stop_timeout_s must be > 0")
         self.telemetry = telemetry

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 import socket
 import sys
 import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
 from opentelemetry import propagate, trace
@@ -206,3 +208,17 @@ def _get_or_create(
     if not isinstance(existing, kind) or tuple(existing._labelnames) != tuple(labelnames):
         raise ValueError(f"metric {full_name} already exists with another type or labels")
     return existing
+
+
+def build_info(service: str) -> Gauge:
+    """Set ``conveyor_<service>_build_info{version,python} 1``: which release and Python each
+    process runs (``version`` is ``unknown`` when the package is not installed)."""
+    try:
+        release = version("conveyor")
+    except PackageNotFoundError:
+        release = "unknown"
+    info = gauge(
+        service, "build_info", "Always 1; the labels say what runs.", ["version", "python"]
+    )
+    info.labels(version=release, python=platform.python_version()).set(1)
+    return info

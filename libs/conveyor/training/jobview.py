@@ -87,6 +87,8 @@ class WorkerProgress:
     loss: float | None = None
     samples_per_second: float = 0.0
     data_wait_ratio: float | None = None
+    step_time_s: dict[str, float] = field(default_factory=dict)
+    """Mean seconds per part of the trainer's recent steps."""
 
 
 @dataclass(slots=True)
@@ -145,6 +147,7 @@ class JobView:
             "loss": self.loss,
             "samples_per_second": sum(r.samples_per_second for r in reports),
             "data_wait_ratio": sum(waits) / len(waits) if waits else None,
+            "step_time_s": _mean_parts([r.step_time_s for r in reports if r.step_time_s]),
             "workers": sorted(self.workers),
         }
 
@@ -228,6 +231,16 @@ class JobsView:
         if event.idempotency_key is not None:
             self._by_key.setdefault(event.idempotency_key, event.job_id)
         return job
+
+
+def _mean_parts(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Per part, the mean over the trainers that report it (seconds per step)."""
+    parts = sorted({part for report in reports for part in report})
+    return {
+        part: sum(values) / len(values)
+        for part in parts
+        if (values := [r[part] for r in reports if part in r and math.isfinite(r[part])])
+    }
 
 
 def _integer(value: object) -> int | None:
@@ -317,6 +330,7 @@ def _trainer_report(job: JobView, event: TrainerProgress) -> WorkerProgress:
         loss=event.loss,
         samples_per_second=event.samples_per_second,
         data_wait_ratio=event.data_wait_ratio,
+        step_time_s=dict(event.step_time_s),
     )
 
 

@@ -136,7 +136,7 @@ class TrainerJoined(JobEvent):
     """The trainer."""
 
 
-@message("TrainerProgress", version=1)
+@message("TrainerProgress", version=2)
 @dataclass(kw_only=True, slots=True)
 class TrainerProgress(JobEvent):
     """One trainer's own figures, rate-limited (the job's totals come from the coordinator)."""
@@ -177,6 +177,9 @@ class TrainerProgress(JobEvent):
     """Median seconds per pipeline stage of its recent batches."""
     stage_latency_p95_s: dict[str, float]
     """95th percentile seconds per stage."""
+    step_time_s: dict[str, float]
+    """Mean seconds per part of its recent steps (``data_wait``, ``h2d``, ``compute``,
+    ``grad_send``, ``param_wait``; schema v2): where a step's time goes, for the job page."""
 
 
 @message("CoordinatorProgress", version=1)

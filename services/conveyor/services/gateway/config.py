@@ -60,6 +60,17 @@ class GatewaySettings(_FileAwareSettings):
     stage_window: Annotated[int, Field(ge=1, le=100_000)] = Field(
         default=256, description="Progress reports per stage kept for latency percentiles."
     )
+    jaeger_url: Annotated[str, Field(pattern=r"^https?://\S+$")] | None = Field(
+        default=None,
+        description="Base URL of the Jaeger UI; the job page links to the job's traces there.",
+    )
+    grafana_url: Annotated[str, Field(pattern=r"^https?://\S+$")] | None = Field(
+        default=None,
+        description="Base URL of Grafana; the job page links to the Conveyor dashboard there.",
+    )
+    page_refresh_s: Annotated[int, Field(ge=1, le=3600)] = Field(
+        default=5, description="The job pages of live jobs reload this often (seconds)."
+    )
     write_timeout_s: Annotated[float, Field(gt=0, le=300)] = Field(
         default=15.0,
         description=(

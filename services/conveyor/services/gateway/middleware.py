@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.platform.telemetry import counter
+from conveyor.platform.telemetry import counter, histogram
 
 
 async def _reply(send: Send, status: int, detail: str) -> None:
@@ -112,7 +113,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 class RequestMetricsMiddleware:
-    """Counts responses in ``conveyor_gateway_requests_total{route,code}``.
+    """Counts responses in ``conveyor_gateway_requests_total{route,code}`` and times them in
+    ``conveyor_gateway_request_seconds{route}`` (from the request's arrival to the end of its
+    response; an event stream counts once it ends).
 
     ``route`` is the matched path template (``/v1/jobs/{job_id}``), never the raw path, so the
     label set stays bounded; unmatched paths count as ``unmatched``.
@@ -124,12 +127,16 @@ class RequestMetricsMiddleware:
             "gateway", "requests_total", "HTTP responses by route and status code.",
             ["route", "code"],
         )  # fmt: skip
+        self._seconds = histogram(
+            "gateway", "request_seconds", "HTTP request duration by route.", ["route"]
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = 500  # what the client sees if the app raises before responding
+        started_s = time.perf_counter()
 
         async def send_with_status(message: Message) -> None:
             nonlocal status
@@ -143,3 +150,4 @@ class RequestMetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             self._requests.labels(route=template, code=str(status)).inc()
+            self._seconds.labels(route=template).observe(time.perf_counter() - started_s)

@@ -33,6 +33,10 @@ class Progress(BaseModel):
     loss: float | None
     samples_per_second: float
     data_wait_ratio: float | None = Field(description="Mean over trainers of exposed data wait.")
+    step_time_s: dict[str, float] = Field(
+        description="Mean over trainers of their recent steps' seconds per part (data_wait, "
+        "h2d, compute, grad_send, param_wait)."
+    )
     workers: list[str]
 
 
@@ -102,6 +106,11 @@ class JobStages(BaseModel):
     id: str
     window: int = Field(description="Most recent reports kept per stage.")
     stages: dict[str, StageLatency]
+
+    @classmethod
+    def of(cls, view: JobView) -> JobStages:
+        stages = {name: StageLatency(**values) for name, values in view.stage_percentiles().items()}
+        return cls(id=view.job_id, window=view.stage_window, stages=stages)
 
 
 class Checkpoint(BaseModel):

@@ -15,7 +15,7 @@ from conveyor.services.gateway.errors import (
     JobNotRunning,
     LocationsRefused,
 )
-from conveyor.services.gateway.routes import artifacts, autoscaler, jobs
+from conveyor.services.gateway.routes import artifacts, autoscaler, jobs, pages
 from conveyor.services.gateway.routes.deps import JobsBackend, require_token
 
 _STATUS: dict[type[GatewayError], int] = {
@@ -53,10 +53,12 @@ async def _locations_refused(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_routes(app: FastAPI, backend: JobsBackend) -> None:
-    """Mount every ``/v1`` router on ``app`` (bearer auth on all of them), serving ``backend``."""
+    """Mount every ``/v1`` router and the job pages on ``app`` (bearer auth on all of them),
+    serving ``backend``."""
     app.state.jobs_backend = backend
     app.include_router(jobs.router, dependencies=[Depends(require_token)])
     app.include_router(artifacts.router, dependencies=[Depends(require_token)])
     app.include_router(autoscaler.router, dependencies=[Depends(require_token)])
+    app.include_router(pages.router, dependencies=[Depends(require_token)])
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(LocationsRefused, _locations_refused)  # the more specific wins

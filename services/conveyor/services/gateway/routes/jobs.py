@@ -19,7 +19,6 @@ from conveyor.services.gateway.schemas import (
     JobList,
     JobStages,
     ListLimit,
-    StageLatency,
     StateFilter,
 )
 from conveyor.training.jobspec import JobSpec
@@ -89,9 +88,7 @@ async def cancel_job(job_id: str, backend: BackendDep) -> Job:
 @router.get("/{job_id}/stages", responses=_NOT_FOUND)
 async def job_stages(job_id: str, backend: BackendDep) -> JobStages:
     """Per-stage latency percentiles (seconds) of the recent batches, as trainers report them."""
-    job = backend.get_job(job_id)
-    stages = {name: StageLatency(**values) for name, values in job.stage_percentiles().items()}
-    return JobStages(id=job.job_id, window=job.stage_window, stages=stages)
+    return JobStages.of(backend.get_job(job_id))
 
 
 @router.get(

@@ -41,7 +41,7 @@ _STAGE_SPANS: dict[str, tuple[str, str]] = {
 """Stage -> (start stamp, end stamp) in Batch.timestamps; compute is measured directly."""
 
 STEP_PARTS = ("data_wait", "h2d", "compute", "grad_send", "param_wait")
-"""The parts of a step's time in heartbeats (``step_time_s``)."""
+"""The parts of a step's time in heartbeats and progress events (``step_time_s``)."""
 
 
 class TrainerFigures:
@@ -203,6 +203,7 @@ class TrainerFigures:
             "data_wait_ratio_job": self.meter.ratio,
             "stage_latency_s": self.stages.percentile(50),
             "stage_latency_p95_s": self.stages.percentile(95),
+            "step_time_s": self.step_times.means(),
         }
 
     def heartbeat(
