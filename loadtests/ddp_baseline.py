@@ -86,11 +86,9 @@ def _timed_steps(
     return times
 
 
-def _spawned_worker(
-    rank: int, world: int, port: int, cases: list[dict[str, Any]], out: str
-) -> None:
-    """For each case: local (rank 0 alone, the others wait in a barrier, which takes no CPU),
-    then DDP over gloo (every rank). Rank 0 writes {case: {"local": [s], "ddp": [s]}}."""
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """Set a spawned baseline process up (own session, 1 torch thread) and join the gloo
+    process group of ``world`` ranks on 127.0.0.1:``port``."""
     import torch.distributed as dist
 
     os.setsid()  # own session, as every Conveyor service (autogroup scheduling treats all alike)
@@ -101,6 +99,16 @@ def _spawned_worker(
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _spawned_worker(
+    rank: int, world: int, port: int, cases: list[dict[str, Any]], out: str
+) -> None:
+    """For each case: local (rank 0 alone, the others wait in a barrier, which takes no CPU),
+    then DDP over gloo (every rank). Rank 0 writes {case: {"local": [s], "ddp": [s]}}."""
+    import torch.distributed as dist
+
+    join_gloo(rank, world, port)
     found: dict[str, dict[str, list[float]]] = {}
     for case in cases:
         steps = {"warmup": int(case["warmup_steps"]), "timed": int(case["timed_steps"])}

@@ -38,6 +38,9 @@ E2E_ENV = {
     # A SIGKILLed group member is evicted after 3 s (and Tansu completes joins after half).
     "CONVEYOR_KAFKA_SESSION_TIMEOUT_S": "3",
     "CONVEYOR_KAFKA_HEARTBEAT_INTERVAL_S": "1",
+    # A SIGKILLed trainer leaves the scheduler's pool 3 s (of the jobs log's clock) after its
+    # last presence, so that its replacement gets its place.
+    "CONVEYOR_TRAINER_PRESENCE_TTL_S": "3",
 }
 LOG_TAIL_LINES = 40
 DIGITS_SAMPLES = 1797

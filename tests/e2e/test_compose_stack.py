@@ -55,6 +55,7 @@ from compose_model import (
 from e2e_stack import ACTIVE, digits_spec, metric_values, pack_dataset, wait_for, write_digits_npz
 from engine_servers import DockerEngine, serving
 from otlp_receiver import OtlpReceiver
+from trace_chain import PROBES, Spans, batch_chain
 
 from conveyor.cli.client import TERMINAL_STATES, GatewayClient
 from conveyor.embedded import registry
@@ -368,3 +369,35 @@ def test_compose_services_train_a_job_through_the_published_gateway_port(
     # Jaeger: each service exported its spans to the OTLP endpoint the file gives it.
     traced = {span.service_name for span in run.jaeger.spans}
     assert set(registry.SERVICES) <= traced, traced
+    assert_traces(Spans(run.jaeger.spans), job_id)
+
+
+def assert_traces(spans: Spans, job_id: str) -> None:
+    """One batch's chain crosses every pipeline service with a parent at each hop; fan-ins are
+    links; names are templated; probes are not traced; the job's submission is a span that
+    its shard releases link to."""
+    chain = batch_chain(spans)
+    (trace_id,) = {span.trace_id for span in chain.values()}
+    services = {stage: span.service_name for stage, span in chain.items()}
+    assert set(services.values()) == {"sharder", "preprocessor", "trainer", "aggregator"}
+    assert services["aggregate"] == "aggregator" and services["load params"] == "trainer"
+    print(f"compose traces: one batch's trace {trace_id}, stages {list(chain)}")
+    # Fan-in: each aggregation of two trainers' gradients continues one and links the other.
+    grad_sends = {s.span_id for s in spans.named("send conveyor.job.{id}.grads")}
+    aggregates = spans.named("aggregate")
+    assert any(a.links for a in aggregates)
+    assert all(span_id in grad_sends for a in aggregates for _, span_id in a.links)
+    # Names: the destination template, never a job id.
+    assert not [s.name for s in spans.all if job_id in s.name]
+    for span in spans.all:
+        if template := span.attributes.get("messaging.destination.template"):
+            assert span.name.endswith(f" {template}"), span
+    # The healthchecks polled /readyz and the test scraped /metrics: no span of theirs.
+    assert not [s.name for s in spans.all if any(probe in s.name for probe in PROBES)]
+    # The submission: a span of the gateway's request, in the trace that plans the job, which
+    # the batch's shard release links to.
+    (submit,) = [s for s in spans.named("submit job") if s.attributes["conveyor.job_id"] == job_id]
+    request = spans.parent(submit)
+    assert request is not None and request.name == "POST /v1/jobs", request
+    (plan,) = [s for s in spans.named("plan job") if s.trace_id == submit.trace_id]
+    assert chain["release shard"].links == [(plan.trace_id, plan.span_id)]

@@ -56,7 +56,10 @@ def assert_demo_summary(summary: dict[str, Any]) -> None:
     assert summary["state"] == "completed", summary.get("reason")
     assert summary["epochs"] == EPOCHS
     assert summary["samples"] == NUM_TRAIN * EPOCHS
-    assert summary["steps"] >= EPOCHS * NUM_TRAIN // 64  # global batch 64
+    # No step holds more than the global batch (64: 2 of the 45 micro-batches of an epoch,
+    # whatever the number of trainers: tests/unit/test_global_batch.py folds 1 to 4 of them),
+    # so an epoch takes at least 23 steps.
+    assert summary["steps"] >= EPOCHS * 23
     assert 0.0 <= summary["data_wait_ratio"] <= 1.0
     assert summary["samples_per_second"] > 0
     assert summary["eval_loss"] > 0

@@ -56,7 +56,10 @@ class Replica:
 
 
 def replay(
-    run: Run, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    run: Run,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    lr: float | None = None,
 ) -> list[torch.Tensor]:
     """Plain single-process training through the run's StepCloses in version order: the
     flat parameters [N] at every version.
@@ -65,7 +68,8 @@ def replay(
     contribution's base version (sync: the previous version; ssp: up to s versions older),
     its batches in one accumulation; the step's gradient is their sum in the close's order
     (the order of float additions the protocol defines) divided by the step's sample count,
-    then one optimizer step over ``model.parameters()`` at the close's lr.
+    then one optimizer step over ``model.parameters()`` at the close's lr (``lr``: at this
+    one instead).
     """
     replica = Replica(run)
     params = list(replica.model.parameters())
@@ -93,7 +97,7 @@ def replay(
                 param.grad = step_grad[offset : offset + param.numel()].view_as(param).clone()
                 offset += param.numel()
             for group in optimizer.param_groups:
-                group["lr"] = close.lr
+                group["lr"] = close.lr if lr is None else lr
                 if "momentum" in group:  # SGD: the close's, else the job's (set at build)
                     group.setdefault("job_momentum", group["momentum"])
                     group["momentum"] = (
@@ -104,12 +108,74 @@ def replay(
     return versions
 
 
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def replay_local(
+    run: Run, make_inner: MakeOptimizer, make_outer: MakeOptimizer
+) -> list[torch.Tensor]:
+    """Local mode (DiLoCo) in one plain process through the run's StepCloses: the flat
+    parameters [N] at every version.
+
+    Each trainer keeps its inner optimizer (``make_inner``, the job's lr) across its windows,
+    over one flat parameter [N]; a window starts from this replay's parameters of its base
+    version and takes one inner step per entry of ``Contribution.inner_steps`` on the next
+    batches of ``batch_ids`` (gradient of their summed loss / their samples). The close's
+    outer gradient is the sum of ``(base - local) * num_samples`` over its contributions, in
+    the close's order, divided by its num_samples; one outer step (``make_outer``) at the
+    close's lr.
+    """
+    replica = Replica(run)
+    versions = [replica.flat()]
+    outer_param = nn.Parameter(versions[0].clone())
+    outer = make_outer([outer_param])
+    inner: dict[str, tuple[nn.Parameter, torch.optim.Optimizer]] = {}
+    for version in range(1, run.final_version + 1):
+        close = run.closes[version]
+        if close.num_samples > 0:
+            outer_grad = torch.zeros_like(versions[0])  # [N]
+            for entry in close.contributions:
+                contribution = run.contributions[entry.contribution_id]
+                if entry.num_samples == 0:
+                    continue
+                if entry.worker_id not in inner:
+                    local = nn.Parameter(versions[0].clone())
+                    inner[entry.worker_id] = (local, make_inner([local]))
+                local, optimizer = inner[entry.worker_id]
+                base = versions[entry.base_version]
+                with torch.no_grad():
+                    local.copy_(base)
+                batch_ids = list(contribution.batch_ids)
+                assert sum(contribution.inner_steps) == len(batch_ids), contribution
+                samples = 0
+                for passes in contribution.inner_steps:
+                    step_batches, batch_ids = batch_ids[:passes], batch_ids[passes:]
+                    grad, n = replica.gradient(local.detach().clone(), step_batches)
+                    local.grad = grad / n
+                    optimizer.step()
+                    samples += n
+                assert samples == entry.num_samples, f"version {version}"
+                outer_grad += (base - local.detach()) * float(samples)
+            outer_param.grad = outer_grad / close.num_samples
+            for group in outer.param_groups:
+                group["lr"] = close.lr
+            outer.step()
+        versions.append(outer_param.detach().clone())
+    return versions
+
+
 def assert_replays(
-    run: Run, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    run: Run,
+    make_optimizer: MakeOptimizer,
+    *,
+    lr: float | None = None,
+    replayed: list[torch.Tensor] | None = None,
 ) -> None:
     """Every published version equals the replay (property 1 of test_gradient_plane.py's
-    docstring)."""
-    replayed = replay(run, make_optimizer)
+    docstring); ``lr``: see :func:`replay`; ``replayed``: versions replayed another way
+    (:func:`replay_local`)."""
+    if replayed is None:
+        replayed = replay(run, make_optimizer, lr=lr)
     # Version 0 is the same seeded build everywhere: bit-identical.
     assert torch.equal(replayed[0], run.flat_params(0))
     # Same batches, same kernels on one thread, same order of additions: what is left to

@@ -381,18 +381,19 @@ async def test_ssp_topk_adam_single_process_matches_replay(
         metric("conveyor_aggregator_grad_bytes_total") - bytes_before >= summary["grad_bytes_total"]
     )
     assert metric("conveyor_aggregator_staleness_count") >= len(peer.closes)
-    # spans: an "aggregate" per version and slice, linked to the GradSlices' send spans,
-    # each the parent of its "send <params topic>"
+    # spans: an "aggregate" per version and slice, the child of one of the GradSlices' send
+    # spans (named after the topic template) and linked to the others, each the parent of its
+    # "send <params topic template>"
     finished = spans.get_finished_spans()
-    grads_topic, params_topic = (
-        Topics(kafka.topic_prefix).grads(ctx.job_id),
-        Topics(kafka.topic_prefix).params(ctx.job_id),
-    )
-    sends = {s.context.span_id for s in finished if s.name == f"send {grads_topic}"}
+    prefix = kafka.topic_prefix
+    sends = {s.context.span_id for s in finished if s.name == f"send {prefix}job.{{id}}.grads"}
     aggregates = [s for s in finished if s.name == "aggregate"]
     assert len(aggregates) == 2 * len(peer.closes)
     nonempty = [s for s in aggregates if s.attributes["conveyor.num_samples"] > 0]
-    assert nonempty and all(s.links for s in nonempty)
-    assert all(link.context.span_id in sends for s in aggregates for link in s.links)
-    parents = {s.parent.span_id for s in finished if s.name == f"send {params_topic}" and s.parent}
+    assert nonempty and all(s.parent and s.parent.span_id in sends for s in nonempty)
+    inputs = {s.parent.span_id for s in nonempty if s.parent}
+    inputs |= {link.context.span_id for s in aggregates for link in s.links}
+    assert inputs <= sends  # stale (rejected) contributions reach none
+    params_sends = [s for s in finished if s.name == f"send {prefix}job.{{id}}.params"]
+    parents = {s.parent.span_id for s in params_sends if s.parent}
     assert {s.context.span_id for s in aggregates} <= parents

@@ -341,7 +341,11 @@ async def test_trace_context_crosses_a_hop(settings: KafkaSettings) -> None:
         consumer.ack(received)
 
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    send, process = spans[f"send {topic}"], spans[f"process {topic}"]
+    template = f"{settings.topic_prefix}job.{{id}}.batches"  # no job id in a span name
+    send, process = spans[f"send {template}"], spans[f"process {template}"]
+    for span in (send, process):
+        assert span.attributes["messaging.destination.name"] == topic
+        assert span.attributes["messaging.destination.template"] == template
     carried = trace.get_current_span(received.context).get_span_context()
     assert "traceparent" in received.headers
     assert carried.trace_id == send.context.trace_id == parent.get_span_context().trace_id

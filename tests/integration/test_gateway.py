@@ -24,7 +24,7 @@ from conveyor.platform.config import (
     TelemetrySettings,
     TopologySettings,
 )
-from conveyor.platform.messages import CheckpointRequest, JobEvent, Topics
+from conveyor.platform.messages import CheckpointRequest, JobEvent, Topics, TrainerPresence
 from conveyor.platform.service import ServiceError
 from conveyor.platform.storage import open_store
 from conveyor.services.gateway.config import GatewaySettings
@@ -219,6 +219,47 @@ async def test_list_get_and_not_found(gateway: Gateway, kafka_settings: KafkaSet
     assert (await gateway.client.get("/jobs/nope")).status_code == 404
     bad_filter = await gateway.client.get("/v1/jobs", params={"state": "sleeping"})
     assert bad_filter.status_code == 422
+
+
+async def test_queue_shows_the_schedule_of_the_trainer_pool(
+    gateway: Gateway, kafka_settings: KafkaSettings
+) -> None:
+    """Three planned jobs asking 2, 1 and 1 trainers (the third with a higher priority): with no
+    trainer all wait, by priority then submission; with two, the urgent one gets one and the big
+    one heads the queue, holding the small one back (no overtaking) while a trainer idles."""
+    ids = {}
+    for name, trainers, priority in (("big", 2, 0), ("small", 1, 0), ("urgent", 1, 5)):
+        spec = {**SPEC, "name": name, "priority": priority,
+                "distribution": {**SPEC["distribution"], "trainers": trainers}}  # fmt: skip
+        ids[name] = (await gateway.client.post("/v1/jobs", json=spec)).json()["id"]
+        await publish(kafka_settings, ids[name], ("planned", {}))
+    await wait_for_state(gateway, ids["urgent"], "queued")
+    empty = (await gateway.client.get("/v1/queue")).json()
+    assert empty["pool_size"] == 0 and empty["placed"] == []
+    assert [(q["id"], q["position"]) for q in empty["queued"]] == [
+        (ids["urgent"], 1), (ids["big"], 2), (ids["small"], 3)]  # fmt: skip
+
+    async with Producer(kafka_settings) as producer:
+        for worker in ("trainer-a", "trainer-b"):
+            presence = TrainerPresence(worker_id=worker, job_id=None, ttl_s=60.0)
+            await producer.publish(Topics(kafka_settings.topic_prefix).jobs, presence, key=worker)
+    body = await wait_for_state(gateway, ids["urgent"], "planned")
+    assert body["queue_position"] is None and body["trainers"] == ["trainer-a"]
+    queue = (await gateway.client.get("/v1/queue")).json()
+    assert queue["pool_size"] == 2 and queue["idle_trainers"] == ["trainer-b"]
+    # big (2 trainers) heads the queue now and holds small back: FIFO within a priority.
+    assert [(q["id"], q["position"], q["min_trainers"]) for q in queue["queued"]] == [
+        (ids["big"], 1, 2), (ids["small"], 2, 1)]  # fmt: skip
+    (placed,) = queue["placed"]
+    assert (placed["id"], placed["priority"], placed["trainers"]) == (
+        ids["urgent"],
+        5,
+        ["trainer-a"],
+    )
+    queued = (await gateway.client.get("/v1/jobs", params={"state": "queued"})).json()
+    assert [job["id"] for job in queued["jobs"]] == [ids["small"], ids["big"]]  # newest first
+    big = (await gateway.client.get(f"/v1/jobs/{ids['big']}")).json()
+    assert (big["state"], big["queue_position"], big["trainers"]) == ("queued", 1, [])
 
 
 async def test_cancel(gateway: Gateway, kafka_settings: KafkaSettings) -> None:
@@ -519,7 +560,7 @@ async def test_stop_ends_open_progress_streams(kafka_settings: KafkaSettings) ->
 async def test_openapi_documents_the_api(gateway: Gateway) -> None:
     schema = (await gateway.client.get("/openapi.json")).json()
     job = "/v1/jobs/{job_id}"
-    expected = {"/v1/jobs", job, f"{job}/cancel", f"{job}/events", f"{job}/stages"}
+    expected = {"/v1/jobs", job, f"{job}/cancel", f"{job}/events", f"{job}/stages", "/v1/queue"}
     assert expected <= set(schema["paths"])
     assert "JobSpec" in schema["components"]["schemas"]
 
@@ -539,7 +580,7 @@ async def test_checkpoints_are_listed_requested_and_the_model_served(
         await ensure_topics(kafka_settings, topics.job_topic_specs(job_id, batches_partitions=1,
                                                                    slices=1))  # fmt: skip
         await publish(kafka_settings, job_id, ("planned", {}))
-        await wait_for_state(gw, job_id, "planned")
+        await wait_for_state(gw, job_id, "queued")  # planned, and no trainer in the pool
         accepted = await gw.client.post(f"/v1/jobs/{job_id}/checkpoints")
         assert accepted.status_code == 202 and accepted.json()["id"] == job_id
         async with TopicTail(kafka_settings, topics.control(job_id)) as control:

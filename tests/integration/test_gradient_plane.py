@@ -33,7 +33,7 @@ import pytest_asyncio
 import torch
 from plane_capture import CAPTURE_TIMEOUT_S, Plane, Run
 from plane_harness import assert_exactly_once, job_log, pipeline
-from plane_replay import assert_replays
+from plane_replay import assert_replays, replay_local
 from torch import nn
 
 from conveyor.platform.config import KafkaSettings
@@ -240,3 +240,48 @@ async def test_topk_and_fp16_cut_the_gradient_bytes_on_the_wire(plane: Plane) ->
 
 def _non_empty(run: Run) -> int:
     return sum(1 for c in run.contributions.values() if c.num_samples > 0)
+
+
+# -- 4. local mode (DiLoCo) ----------------------------------------------------------------
+
+INNER_SGD = {"name": "sgd", "lr": 0.1}
+
+
+async def test_local_mode_of_one_inner_step_and_outer_sgd_of_lr_1_is_sync(plane: Plane) -> None:
+    spec = spec_with(
+        optimizer=INNER_SGD,
+        mode="local",
+        sync_every_steps=1,
+        outer_optimizer={"name": "sgd", "lr": 1.0},
+    )
+    run = await plane.run("local-h1", spec)
+
+    assert {close.lr for close in run.closes.values()} == {1.0}  # the outer lr
+    windows = [c for c in run.contributions.values() if c.num_samples]
+    assert windows and all(c.inner_steps == [len(c.batch_ids)] for c in windows)
+    assert_exactly_once(plane.objects, run.job_id, run.spec)
+    # Sync's algorithm on this run's closes (one SGD step at lr 0.1 on the sample-weighted mean
+    # gradient of each close's contributions) gives the parameters local mode published.
+    assert_replays(run, lambda ps: torch.optim.SGD(ps, lr=0.1), lr=0.1)
+
+
+async def test_local_mode_is_inner_steps_then_an_outer_nesterov_step_at_every_version(
+    plane: Plane,
+) -> None:
+    window = 4
+    spec = spec_with(mode="local", sync_every_steps=window)  # outer: the default
+    run = await plane.run("local-h4", spec)
+
+    assert not run.rejections
+    assert {close.lr for close in run.closes.values()} == {0.7}
+    windows = [c.inner_steps for c in run.contributions.values() if c.num_samples]
+    assert max(map(len, windows)) == window and all(len(w) <= window for w in windows)
+    assert_exactly_once(plane.objects, run.job_id, run.spec)
+    replayed = replay_local(
+        run,
+        make_inner=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        make_outer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True),
+    )
+    assert_replays(run, OPTIMIZERS["sgd"][1], replayed=replayed)
+    # One contribution per window: about 1/window of sync's versions for the same samples.
+    assert run.final_version <= math.ceil(run.summary["samples"] / 64 / window) + 2

@@ -224,7 +224,7 @@ async def test_tasks_become_batches_with_traces_and_commits(
         assert _trace(span) in sends  # continues the task's trace
         children = [s for s in finished if s.parent and s.parent.span_id == _span(span)]
         names = sorted(s.name for s in children)
-        assert names[:2] == ["preprocess", "send " + topics.batches("job1")]
+        assert names[:2] == ["preprocess", f"send {topics.prefix}job.{{id}}.batches"]
         assert "shard read" in names
 
 

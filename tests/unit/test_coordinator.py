@@ -282,6 +282,22 @@ def test_sync_keeps_the_job_momentum() -> None:
     assert decisions.close is not None and decisions.close.momentum is None
 
 
+def test_local_mode_closes_windows_like_sync_steps_at_the_outer_lr() -> None:
+    c = coordinator(mode="local", sync_every_steps=2, outer_optimizer={"name": "sgd", "lr": 0.6})
+    c.fold(beat("a", T0))
+    c.fold(beat("b", T0))
+    c.fold(contrib("a", 0, [batch(0, 0), batch(0, 1)]))
+    assert c.decide(T0) == Decisions()  # b's window is not in yet
+    c.fold(contrib("b", 0, [batch(0, 2), batch(0, 3)]))
+    decisions = c.decide(T0)
+    assert decisions.close is not None and decisions.close.num_samples == 4
+    assert decisions.close.lr == 0.6  # the outer lr; the schedule is the inner optimizer's
+    assert decisions.close.momentum is None
+    echo(c, decisions)
+    c.fold(contrib("a", 0, [batch(0, 4)]))  # computed on a version that is gone
+    assert [r.reason for r in c.decide(T0).rejections] == ["stale: base 0, current 1"]
+
+
 def test_membership_reads_throughput_and_data_wait() -> None:
     c = coordinator()
     c.fold(beat("a", T0, 50.0, step_time_s={"data_wait": 0.1, "compute": 0.3}))

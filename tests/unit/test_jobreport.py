@@ -56,7 +56,7 @@ def test_live_pages_reload_and_link_to_traces_and_the_dashboard() -> None:
     html = job_page(job_json(state="running"), None, links=links, refresh_s=5, jobs_href="/jobs")
     assert '<meta http-equiv="refresh" content="5">' in html
     assert (
-        'href="http://jaeger:16686/search?service=gateway&amp;tags=%7B%22conveyor.job_id%22'
+        'href="http://jaeger:16686/search?service=sharder&amp;tags=%7B%22conveyor.job_id%22'
         '%3A+%22j1%22%7D&amp;limit=50"' in html
     )
     grafana = "http://grafana:3000/d/conveyor-overview/conveyor-overview?from=1700000000000"

@@ -106,7 +106,7 @@ def test_synthetic_example_augments() -> None:
         ("training.optimizer.lr", float("nan"), ("training", "optimizer", "lr"), "finite"),
         ("distribution.trainers", 0, ("distribution", "trainers"), "greater than or equal"),
         ("distribution.staleness", -1, ("distribution", "staleness"), "greater than or equal"),
-        ("distribution.mode", "async", ("distribution", "mode"), "'sync' or 'ssp'"),
+        ("distribution.mode", "async", ("distribution", "mode"), "'sync', 'ssp' or 'local'"),
         ("distribution.allocation", "fair", ("distribution", "allocation"), "'adaptive' or"),
         ("resources.device", "tpu", ("resources", "device"), "pattern"),
         ("resources.memory_fraction", 1.5, ("resources", "memory_fraction"), "less than"),
@@ -124,6 +124,30 @@ def test_each_rule_reports_its_field(
     errors = errors_of(spec_with(path, value))
     assert [error_loc for error_loc, _ in errors] == [loc]
     assert fragment in errors[0][1]
+
+
+@pytest.mark.parametrize(
+    ("distribution", "loc", "fragment"),
+    [
+        ({"trainers": 2, "min_trainers": 3}, "min_trainers", "(3) must be <= trainers (2)"),
+        ({"trainers": 2, "max_trainers": 1}, "max_trainers", "(1) must be >= trainers (2)"),
+    ],
+)
+def test_trainer_bounds_must_hold_trainers(
+    distribution: dict[str, int], loc: str, fragment: str
+) -> None:
+    [(error_loc, msg)] = errors_of(spec_with("distribution", distribution))
+    assert error_loc == ("distribution", loc) and fragment in msg
+
+
+def test_trainer_bounds_and_priority_defaults() -> None:
+    spec = JobSpec.model_validate(BASE)
+    assert spec.priority == 0 and spec.distribution.trainer_bounds == (1, 1, 1)
+    elastic = JobSpec.model_validate(
+        spec_with("distribution", {"trainers": 2, "min_trainers": 1, "max_trainers": 4})
+    )
+    assert elastic.distribution.trainer_bounds == (1, 2, 4)
+    assert errors_of({**BASE, "priority": 1001})[0][0] == ("priority",)
 
 
 def test_global_batch_must_be_a_multiple_of_micro_batch() -> None:
@@ -279,3 +303,40 @@ def test_tokens_are_refused_until_a_job_can_train_them() -> None:
 def test_max_bad_samples_range() -> None:
     [(loc, _)] = errors_of(spec_with("dataset.max_bad_samples", -1))
     assert loc == ("dataset", "max_bad_samples")
+
+
+@pytest.mark.parametrize(
+    ("distribution", "loc", "fragment"),
+    [
+        ({"mode": "local"}, ("sync_every_steps",), "required when mode is local"),
+        ({"mode": "local", "sync_every_steps": 0}, ("sync_every_steps",), "greater than or"),
+        ({"mode": "sync", "sync_every_steps": 8}, ("sync_every_steps",), "mode local only"),
+        (
+            {"mode": "ssp", "outer_optimizer": {"name": "sgd", "lr": 0.7}},
+            ("outer_optimizer",),
+            "mode local only",
+        ),
+        (
+            {"mode": "local", "sync_every_steps": 8,
+             "outer_optimizer": {"name": "sgd", "lr": 0.7, "nesterov": True}},
+            ("outer_optimizer", "nesterov"),
+            "nesterov requires",
+        ),
+    ],
+)  # fmt: skip
+def test_local_mode_rules(distribution: dict[str, Any], loc: tuple[str], fragment: str) -> None:
+    [(error_loc, msg)] = errors_of(spec_with("distribution", distribution))
+    assert error_loc == ("distribution", *loc)
+    assert fragment in msg
+
+
+def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -> None:
+    spec = JobSpec.model_validate(
+        spec_with("distribution", {"mode": "local", "sync_every_steps": 8})
+    )
+    outer = spec.distribution.outer
+    assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.5, True)
+    data = spec_with("distribution", {"mode": "local", "sync_every_steps": 40})
+    data["flow"] = {"max_lead_batches": 64}  # a window is 40 steps x 2 micro-batches = 80
+    [(error_loc, msg)] = errors_of(data)
+    assert error_loc == ("flow",) and "must hold one local-mode window" in msg

@@ -42,9 +42,10 @@ def test_schemas_are_registered_with_name_and_version() -> None:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
-    assert versions == {  # ShardTask v2: + routing; Contribution v2: + epoch, sample_ids
+    # ShardTask v2: + routing; Contribution v2: + epoch, sample_ids; v3: + inner_steps
+    assert versions == {
         "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
-        "JobPlanned": 1, "JobFailed": 1, "Contribution": 2,
+        "JobPlanned": 1, "JobFailed": 1, "Contribution": 3,
     }  # fmt: skip
 
 
@@ -242,9 +243,13 @@ def test_contribution_carries_the_sample_ids_it_was_computed_on() -> None:
         ({"sample_ids": torch.tensor([7.0, 7.0, 2.0])}, "int32/int64"),
         ({"sample_ids": torch.zeros(1, 3, dtype=torch.int64)}, "int32/int64"),
         ({"epoch": -1}, "epoch must be >= 0"),
+        ({"inner_steps": [2, 0]}, "every inner step has >= 1 pass"),
     ]:
         with pytest.raises(ValueError, match=reason):
             contribution(**overrides)
+    assert contribution().inner_steps == []  # sync and ssp: one step
+    window = decode(encode(contribution(inner_steps=[1, 2])))
+    assert isinstance(window, Contribution) and window.inner_steps == [1, 2]
 
 
 def test_shard_task_checks_split_and_batch_size() -> None:

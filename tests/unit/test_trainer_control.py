@@ -152,7 +152,17 @@ def test_allocation_and_the_equal_split_before_it() -> None:
     control.apply(close(1, [], allocation={ME: 3, "w-c": 1}))
     assert control.micro_batches_for(4, now) == 3
     control.apply(close(2, [], allocation={ME: 0, "w-c": 4}))
-    assert control.micro_batches_for(4, now) == 1  # never 0: batches held here must not starve
+    assert control.micro_batches_for(4, now) == 0  # its turn comes in a later allocation
+    control.apply(close(3, [], allocation={"w-c": 4}))
+    assert control.micro_batches_for(4, now) == 0  # a newcomer waits to be allocated
+
+
+def test_more_trainers_than_micro_batches_split_before_any_allocation() -> None:
+    control = state()
+    now = 1000.0
+    for worker in ("w-0", "w-1", "w-2"):
+        control.apply(heartbeat(worker, now))
+    assert control.micro_batches_for(2, now) == 0  # w-0, w-1 take the two; w-a sorts after
 
 
 # -- Outstanding: the step state machine ----------------------------------------------------

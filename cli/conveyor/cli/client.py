@@ -83,6 +83,10 @@ class GatewayClient:
         ]
         return jobs
 
+    def queue(self) -> dict[str, Any]:
+        """The trainer pool, the jobs placed on it and the queue (``GET /v1/queue``)."""
+        return self._json(self._request("GET", "/v1/queue"))
+
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._json(self._request("POST", f"/v1/jobs/{job_id}/cancel"))
 

@@ -308,7 +308,8 @@ def register(app: typer.Typer) -> None:
         gateway: GatewayOption = None,
         token: TokenOption = None,
         state: Annotated[
-            str | None, typer.Option(help="Only jobs in this state (pending, running, ...).")
+            str | None,
+            typer.Option(help="Only jobs in this state (pending, queued, running, ...)."),
         ] = None,
         limit: Annotated[int, typer.Option(min=1, max=1000, help="Most jobs listed.")] = 50,
         as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
@@ -322,15 +323,17 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(_dumps({"jobs": found, "count": len(found)}))
             return
-        table = Table("id", "name", "state", "epoch", "step", "loss", "submitted")
+        table = Table("id", "name", "state", "trainers", "epoch", "step", "loss", "submitted")
         for job in found:
             progress = job["progress"]
             total = progress.get("total_steps")
             loss = progress.get("loss")
+            position = job.get("queue_position")
             table.add_row(
                 job["id"],
                 job["name"],
-                job["state"],
+                job["state"] if position is None else f"{job['state']} #{position}",
+                str(len(job.get("trainers", []))),
                 f"{progress['epoch']}/{progress['epochs']}",
                 f"{progress['step']}/{total}" if total else str(progress["step"]),
                 "" if loss is None else f"{loss:.3f}",

@@ -262,6 +262,14 @@ class TelemetrySettings(_FileAwareSettings):
         default_factory=lambda: os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
         description="OTLP/HTTP endpoint; tracing exports only when set.",
     )
+    trace_sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        default=1.0,
+        description=(
+            "Share of new traces kept (1: every batch, for development; 0.01 in production). "
+            "Decided where a trace starts (a shard release, an HTTP request) and followed by "
+            "every span after it, in every process, so a batch's chain is whole or absent."
+        ),
+    )
     http_host: str = Field(default="127.0.0.1", description="Bind address of /healthz, /metrics.")
     http_port: Annotated[int, Field(ge=0, le=65535)] = Field(
         default=0, description="Port of /healthz, /readyz and /metrics; 0 picks a free one."

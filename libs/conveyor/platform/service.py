@@ -23,7 +23,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Generator, MutableMapping
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -124,7 +125,12 @@ class Service(AsyncLifecycle):
     def http_app(self) -> FastAPI:
         """The HTTP app: ``/healthz`` (liveness), ``/readyz`` (200 or 503 with a reason) and
         ``/metrics`` (Prometheus, content type negotiated). Called once by :meth:`start`."""
-        app = FastAPI(title=f"conveyor {self.name}")
+        # Probes and scrapes come every few seconds: a trace each would bury the real requests.
+        # FastAPI's per-request dependency/endpoint/serialization spans are left out too.
+        app = FastAPI(
+            title=f"conveyor {self.name}",
+            telemetry={"exclude": _is_probe, "operation_spans": False},
+        )
 
         @app.get("/healthz", include_in_schema=False)
         async def healthz() -> dict[str, str | int]:
@@ -306,6 +312,14 @@ async def _serve_with_signals(service: Service) -> int:
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+"""Paths of the probes and the scrape, served by every service and never traced."""
+
+
+def _is_probe(scope: MutableMapping[str, Any]) -> bool:
+    return scope.get("path") in PROBE_PATHS
 
 
 def run_service(service: Service) -> int:

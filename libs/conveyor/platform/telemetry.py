@@ -28,6 +28,7 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -125,8 +126,9 @@ def otlp_traces_url(endpoint: str) -> str:
 def setup_tracing(service_name: str, settings: TelemetrySettings) -> TracerProvider:
     """Install the global tracer provider of this process and the W3C propagators.
 
-    Spans are always recorded (so trace ids reach logs and Kafka headers); they are exported
-    in batches over OTLP/HTTP only when ``settings.otlp_endpoint`` is set. The caller owns the
+    Sampling is :func:`sampler` of ``settings.trace_sample_ratio``. Trace ids reach logs and
+    Kafka headers whether a trace is sampled or not; sampled spans are exported in batches over
+    OTLP/HTTP only when ``settings.otlp_endpoint`` is set. The caller owns the
     returned provider and calls ``shutdown()`` on stop to flush what is still queued.
     OpenTelemetry allows one global provider per process: if one is already set, a warning is
     logged and the returned provider is not the one ``trace.get_tracer()`` uses.
@@ -138,7 +140,7 @@ def setup_tracing(service_name: str, settings: TelemetrySettings) -> TracerProvi
             "service.instance.id": f"{socket.gethostname()}-{os.getpid()}",
         }
     )
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, sampler=sampler(settings.trace_sample_ratio))
     if settings.otlp_endpoint:
         exporter = OTLPSpanExporter(endpoint=otlp_traces_url(settings.otlp_endpoint))
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -151,6 +153,13 @@ def setup_tracing(service_name: str, settings: TelemetrySettings) -> TracerProvi
         CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
     )
     return provider
+
+
+def sampler(ratio: float) -> Sampler:
+    """Parent-based: a span with a parent (local, or remote from Kafka or HTTP headers) follows
+    its parent's decision; a root keeps ``ratio`` of trace ids (0..1, else ValueError), so a
+    sampled trace stays whole across processes."""
+    return ParentBased(root=TraceIdRatioBased(ratio))
 
 
 _NAME_PART = re.compile(r"[a-z][a-z0-9_]*")

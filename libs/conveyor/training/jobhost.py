@@ -2,11 +2,13 @@
 
 A :class:`JobHostService` waits for ``conveyor.jobs`` (the sharder creates it), replays it into
 a :class:`JobsView` (``/readyz`` turns 200 once caught up), then keeps one task per job it
-hosts: the oldest servable jobs first (planned or running, not terminal, not asked to cancel),
-at most ``max_jobs`` at once. A task prepares the job in a thread
+hosts: the oldest servable jobs first (planned or running, not terminal, not asked to cancel)
+that it :meth:`~JobHostService.wants` (the trainer: those the schedule places it on), at most
+``max_jobs`` at once. A task prepares the job in a thread
 (:meth:`~JobHostService.prepare_job`, again for every attempt) and runs it
-(:meth:`~JobHostService.run_job`) until the job turns terminal or a cancel is requested; then
-the host lets it go (cancels the task once; the subclass's work leaves its consumer groups).
+(:meth:`~JobHostService.run_job`) until the job turns terminal, a cancel is requested or the
+host stops wanting it; then the host lets it go (cancels the task once; the subclass's work
+leaves its consumer groups).
 
 What a task's end means, the same for every host:
 
@@ -110,6 +112,12 @@ class JobHostService(Service, Generic[Prepared]):
         """Acquire what every job shares (executors, ...); released by ``resources`` when
         ``run()`` ends. Default: nothing."""
 
+    def wants(self, job: JobView) -> bool:
+        """Whether this process should work on a servable job now (re-asked on every change of
+        the view; a hosted job it stops wanting is let go and may be taken again later).
+        Default: every job, oldest first, up to ``max_jobs``."""
+        return True
+
     def background(self) -> list[Coroutine[Any, Any, None]]:
         """Coroutines that run beside the jobs for the life of ``run()`` (a warm-up, ...);
         one that raises ends the service. Default: none."""
@@ -141,6 +149,7 @@ class JobHostService(Service, Generic[Prepared]):
             self.view,
             service=self.name,
             on_applied=lambda job, event: self._wake(),
+            on_presence=self._wake,
         )
         await self._open(reader)
         try:
@@ -174,12 +183,7 @@ class JobHostService(Service, Generic[Prepared]):
     # -- hosting ---------------------------------------------------------------------------
 
     def _servable(self, job: JobView | None) -> bool:
-        return (
-            job is not None
-            and job.state in ("planned", "running")
-            and job.plan is not None
-            and not job.cancel_requested
-        )
+        return job is not None and job.servable
 
     async def _reconcile(self) -> None:
         for job_id, task in list(self._tasks.items()):
@@ -187,18 +191,22 @@ class JobHostService(Service, Generic[Prepared]):
             if task.done():
                 del self._tasks[job_id]
                 await self._settle(job_id, task)
-            elif not self._servable(job) and not task.cancelling():
+            elif not task.cancelling() and not (job is not None and self._keeps(job)):
                 # Once: a second cancel would cut the work's own stop short.
-                logger.info("job %s: %s; letting it go", job_id, job.state if job else "gone")
+                why = "not placed here" if self._servable(job) else job.state if job else "gone"
+                logger.info("job %s: %s; letting it go", job_id, why)
                 task.cancel()
         for job in reversed(self.view.list(limit=len(self.view) or 1)):  # oldest first
             if self.max_jobs is not None and len(self._tasks) >= self.max_jobs:
                 break
             taken = job.job_id in self._tasks or job.job_id in self._finished
-            if not taken and self._servable(job) and not self.stopping:
+            if not taken and self._keeps(job) and not self.stopping:
                 task = asyncio.create_task(self._host(job), name=f"{self.name}.job.{job.job_id}")
                 task.add_done_callback(lambda _: self._wake())
                 self._tasks[job.job_id] = task
+
+    def _keeps(self, job: JobView) -> bool:
+        return self._servable(job) and self.wants(job)
 
     async def _settle(self, job_id: str, task: asyncio.Task[None]) -> None:
         """What a finished job task means (see the module docstring)."""

@@ -57,12 +57,13 @@ class ReportLinks:
                 raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
 
     def for_job(self, job: Mapping[str, Any]) -> dict[str, str]:
-        """{label: URL}: the job's traces (its spans carry ``conveyor.job_id``) and the
-        dashboard over the job's time span."""
+        """{label: URL}: the job's traces (the sharder's ``release shard`` spans carry
+        ``conveyor.job_id``, and each shard's batches continue that trace) and the dashboard over
+        the job's time span."""
         links: dict[str, str] = {}
         if self.jaeger_url:
             tags = json.dumps({"conveyor.job_id": job["id"]})
-            query = urlencode({"service": "gateway", "tags": tags, "limit": 50})
+            query = urlencode({"service": "sharder", "tags": tags, "limit": 50})
             links["Traces in Jaeger"] = f"{self.jaeger_url.rstrip('/')}/search?{query}"
         if self.grafana_url:
             start_ms = int(job["submitted_at"] * 1000)
@@ -73,7 +74,7 @@ class ReportLinks:
         return links
 
 
-_LIVE_STATES = frozenset({"pending", "planned", "running"})
+_LIVE_STATES = frozenset({"pending", "planned", "queued", "running"})  # queued: waits for trainers
 
 
 def line_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> str:

@@ -291,8 +291,11 @@ class TrainingSpec(_Spec):
     micro_batch_size: int = Field(ge=1, le=65_536)
     """Samples per batch message; global_batch_size must be a multiple of it."""
     optimizer: OptimizerSpec
+    """The optimizer of every step: the aggregators' (sync, ssp), or the trainers' inner
+    optimizer in local mode."""
     lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
-    """Learning rate per step, computed by the aggregator's coordinator."""
+    """Learning rate per step, computed by the aggregator's coordinator (local mode: by each
+    trainer for its inner steps, counted as in sync mode; the outer lr is constant)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute precision of forward/backward (bf16 via autocast)."""
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
@@ -337,20 +340,88 @@ class CompressionSpec(_Spec):
 
 class DistributionSpec(_Spec):
     trainers: int = Field(default=1, ge=1, le=1024)
-    """Trainer processes the job wants."""
+    """Trainer processes the job wants from the pool (the scheduler gives it this many once
+    every job ahead of it has its minimum)."""
+    min_trainers: int | None = Field(default=None, ge=1, le=1024)
+    """Fewest trainers the job runs with (elastic job); None = ``trainers``. A job that cannot
+    get them waits in the queue."""
+    max_trainers: int | None = Field(default=None, ge=1, le=1024)
+    """Most trainers the job grows to when the pool has spare ones (elastic job); None =
+    ``trainers``."""
     aggregator_shards: int = Field(default=1, ge=1, le=256)
     """K, the parameter slices = partitions of the grads/params topics, each owned by one
     aggregator process at a time (the key predates the word "slice" and stays: a shard is a
     data shard everywhere else)."""
-    mode: Literal["sync", "ssp"] = "sync"
-    """sync: every step waits for all members; ssp: bounded-staleness async."""
+    mode: Literal["sync", "ssp", "local"] = "sync"
+    """sync: every step waits for all members; ssp: bounded-staleness async; local:
+    low-communication (DiLoCo-style) training: each trainer takes ``sync_every_steps`` steps of
+    the job's optimizer on its own batches, then the aggregators apply ``outer_optimizer`` to
+    the sample-weighted mean of the trainers' parameter deltas (one version per window)."""
     staleness: int = Field(default=2, ge=0, le=1000)
     """ssp: a contribution computed on version v applies while current - v <= staleness."""
+    sync_every_steps: int | None = Field(default=None, ge=1, le=100_000, validate_default=True)
+    """local: H, the inner optimizer steps (each of the global batch, split over the trainers
+    as in sync mode) between two outer steps; required for local, only for local."""
+    outer_optimizer: OptimizerSpec | None = Field(default=None, validate_default=True)
+    """local: the optimizer the aggregators apply to the mean parameter delta (the outer
+    gradient); None: SGD lr 0.7 with Nesterov momentum 0.5 (DiLoCo's lr; its momentum 0.9
+    diverges on top of an inner SGD momentum of 0.9, see docs/operations.md). Only for local."""
     allocation: Literal["adaptive", "equal"] = "adaptive"
     """adaptive: each trainer's micro-batches per step, and its share of the batches (the
     routing of batches to partitions), follow its measured throughput; equal: the step is
     split equally and batches are not routed (each trainer reads an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+
+    @field_validator("min_trainers")
+    @classmethod
+    def _fewest_within_wanted(cls, fewest: int | None, info: ValidationInfo) -> int | None:
+        wanted = info.data.get("trainers")
+        if wanted is not None and fewest is not None and fewest > wanted:
+            raise ValueError(f"min_trainers ({fewest}) must be <= trainers ({wanted})")
+        return fewest
+
+    @field_validator("max_trainers")
+    @classmethod
+    def _most_within_wanted(cls, most: int | None, info: ValidationInfo) -> int | None:
+        wanted = info.data.get("trainers")
+        if wanted is not None and most is not None and most < wanted:
+            raise ValueError(f"max_trainers ({most}) must be >= trainers ({wanted})")
+        return most
+
+    @property
+    def trainer_bounds(self) -> tuple[int, int, int]:
+        """(fewest, wanted, most) trainers of the job; equal for a job that is not elastic."""
+        fewest = self.trainers if self.min_trainers is None else self.min_trainers
+        most = self.trainers if self.max_trainers is None else self.max_trainers
+        return fewest, self.trainers, most
+
+    @field_validator("sync_every_steps")
+    @classmethod
+    def _window_only_for_local(cls, steps: int | None, info: ValidationInfo) -> int | None:
+        mode = info.data.get("mode")
+        if mode == "local" and steps is None:
+            raise ValueError("sync_every_steps is required when mode is local (e.g. 8)")
+        if mode is not None and mode != "local" and steps is not None:
+            raise ValueError(f"sync_every_steps applies to mode local only, not {mode}")
+        return steps
+
+    @field_validator("outer_optimizer")
+    @classmethod
+    def _outer_only_for_local(
+        cls, outer: OptimizerSpec | None, info: ValidationInfo
+    ) -> OptimizerSpec | None:
+        mode = info.data.get("mode")
+        if mode is not None and mode != "local" and outer is not None:
+            raise ValueError(f"outer_optimizer applies to mode local only, not {mode}")
+        return outer
+
+    @property
+    def outer(self) -> OptimizerSpec:
+        """The outer optimizer of local mode: ``outer_optimizer`` or the default (SGD lr 0.7,
+        Nesterov momentum 0.5)."""
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
+        return OptimizerSpec(name="sgd", lr=0.7, momentum=0.5, nesterov=True)
 
 
 class CheckpointSpec(_Spec):
@@ -396,6 +467,9 @@ class JobSpec(_Spec):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")
     """Human name; lower-case letters, digits, '-', '_', '.'."""
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    """Scheduling priority: a higher one gets trainers first (and takes a lower one's elastic
+    extras); equal priorities are served in submission order."""
     model: ModelSpec
     dataset: DatasetSpec
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec, validate_default=True)
@@ -433,6 +507,24 @@ class JobSpec(_Spec):
                     f"shard_size ({flow.shard_size}) must be a multiple of "
                     f"training.micro_batch_size ({micro})"
                 )
+        return flow
+
+    @field_validator("flow")
+    @classmethod
+    def _lead_holds_a_window(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training, distribution = info.data.get("training"), info.data.get("distribution")
+        if training is None or distribution is None or distribution.sync_every_steps is None:
+            return flow
+        # A window's batches are acknowledged only once its outer step closes, so the
+        # sharder's lead must let one window's worth be released at a time.
+        window = distribution.sync_every_steps * (
+            training.global_batch_size // training.micro_batch_size
+        )
+        if flow.max_lead_batches < window:
+            raise ValueError(
+                f"max_lead_batches ({flow.max_lead_batches}) must hold one local-mode window: "
+                f"sync_every_steps x micro-batches per step = {window}"
+            )
         return flow
 
     @property

@@ -22,6 +22,10 @@ Fold rules (the view dispatches on the event's type):
   trainers' would count every sample twice); rates and data wait still come from the trainers.
 - ``stage_latency_s`` ({stage: seconds}) of each trainer report is kept in a bounded window
   per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99.
+- :class:`TrainerPresence` records (keyed by worker, not job) go to the trainer pool
+  (:class:`~conveyor.training.scheduling.TrainerPool`); every record moves the pool's clock.
+  :meth:`JobsView.schedule` places the pool's trainers on the jobs
+  (:mod:`conveyor.training.scheduling`).
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ from conveyor.platform.messages import (
     JobSubmitted,
     Message,
     TrainerJoined,
+    TrainerPresence,
     TrainerProgress,
 )
 from conveyor.platform.telemetry import counter, gauge
+from conveyor.training.scheduling import Demand, Schedule, TrainerPool, schedule
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +123,21 @@ class JobView:
     epochs: dict[int, dict[str, Any]] = field(default_factory=dict)
     """epoch -> {eval_loss, eval_accuracy, train_loss} from epoch_completed."""
     stage_samples_s: dict[str, deque[float]] = field(default_factory=dict)
+    demand: Demand | None = None
+    """What it asks of the trainer pool (from its spec)."""
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def servable(self) -> bool:
+        """Planned or running, not terminal, no cancel asked: trainers may work on it."""
+        return (
+            self.state in ("planned", "running")
+            and self.plan is not None
+            and (not self.cancel_requested)
+        )
 
     def progress(self) -> dict[str, Any]:
         """Job-level progress: the coordinator's totals (before its first report, the trainers'
@@ -176,6 +193,8 @@ class JobsView:
         self._stage_window = stage_window
         self._jobs: dict[str, JobView] = {}
         self._by_key: dict[str, str] = {}
+        self.pool = TrainerPool()
+        """The live trainers (from TrainerPresence records)."""
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -201,8 +220,24 @@ class JobsView:
             counts[job.state] += 1
         return counts
 
+    def schedule(self) -> Schedule:
+        """Where the pool's trainers go now and the queue (:func:`scheduling.schedule`)."""
+        servable = [job for job in self._jobs.values() if job.servable and job.demand]
+        return schedule(
+            (job.demand for job in servable if job.demand is not None),
+            # Started: a trainer joined. Not the running state, which the coordinator's
+            # progress also sets (the aggregators host every job, placed on trainers or not).
+            frozenset(job.job_id for job in servable if job.workers),
+            self.pool.live(),
+        )
+
+    def apply_presence(self, presence: TrainerPresence) -> None:
+        """Fold a trainer's presence into the pool."""
+        self.pool.apply(presence)
+
     def apply(self, event: JobEvent) -> JobView | None:
         """Fold one event; returns the changed job, or None when the event changed nothing."""
+        self.pool.observe(event.at)
         if isinstance(event, JobSubmitted):
             return self._submit(event)
         job = self._jobs.get(event.job_id)
@@ -226,6 +261,7 @@ class JobsView:
             updated_at=event.at,
             stage_window=self._stage_window,
             seq=1,
+            demand=Demand.of_spec(event.job_id, event.spec, event.at),
         )
         self._jobs[event.job_id] = job
         if event.idempotency_key is not None:
@@ -351,6 +387,7 @@ class JobLogReader:
     not a JobEvent, is logged, counted and skipped (a view must not stop on one bad record;
     readers do not write the DLQ, which would get a copy per restart): undecodable ones by the
     tail's skipped-records metric, other messages by ``conveyor_<service>_skipped_events_total``.
+    A :class:`TrainerPresence` goes to the view's pool, then ``on_presence()`` is called.
     ``service`` also names the gauge ``conveyor_<service>_jobs``.
     """
 
@@ -362,11 +399,13 @@ class JobLogReader:
         *,
         service: str,
         on_applied: OnApplied | None = None,
+        on_presence: Callable[[], None] | None = None,
     ) -> None:
         self._settings = settings
         self._topic = topic
         self._view = view
         self._on_applied = on_applied
+        self._on_presence = on_presence
         self._tail: TopicTail | None = None
         self._targets: dict[int, int] = {}
         self._caught_up = asyncio.Event()
@@ -435,6 +474,11 @@ class JobLogReader:
         return position or 0
 
     def _apply(self, message: Message) -> None:
+        if isinstance(message, TrainerPresence):
+            self._view.apply_presence(message)
+            if self._on_presence is not None:
+                self._on_presence()
+            return
         if not isinstance(message, JobEvent):
             self._skipped.inc()
             logger.warning("skipping %s on %s: not a JobEvent", type(message).__name__, self._topic)

@@ -51,7 +51,8 @@ def momentum_correction(spec: JobSpec) -> bool:
     compression = spec.distribution.compression
     optimizer = spec.training.optimizer
     return (
-        compression.kind == "topk"
+        spec.distribution.mode != "local"  # the inner optimizer keeps its own momentum
+        and compression.kind == "topk"
         and compression.error_feedback
         and compression.momentum_correction
         and optimizer.name == "sgd"
@@ -60,8 +61,11 @@ def momentum_correction(spec: JobSpec) -> bool:
 
 
 def aggregator_optimizer(spec: JobSpec) -> OptimizerSpec:
-    """The optimizer the slice owners run: the job's, without momentum when the trainers
-    keep it (:func:`momentum_correction`); weight decay stays on the aggregator."""
+    """The optimizer the slice owners run: local mode's outer optimizer; else the job's,
+    without momentum when the trainers keep it (:func:`momentum_correction`); weight decay
+    stays on the aggregator."""
+    if spec.distribution.mode == "local":
+        return spec.distribution.outer
     optimizer = spec.training.optimizer
     if momentum_correction(spec):
         return optimizer.model_copy(update={"momentum": 0.0, "nesterov": False})

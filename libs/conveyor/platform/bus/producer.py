@@ -17,7 +17,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from conveyor.platform.bus.errors import BusError, RecordTooLarge, from_kafka_error
 from conveyor.platform.bus.metrics import TopicMetrics, topic_metrics
 from conveyor.platform.bus.options import producer_options
-from conveyor.platform.bus.tracing import MESSAGING_SYSTEM, inject_headers, key_attribute
+from conveyor.platform.bus.tracing import inject_headers, key_attribute, messaging_span
 from conveyor.platform.codec import CodecLimits, MessageTooLarge, encode
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.lifecycle import AsyncLifecycle
@@ -36,7 +36,8 @@ class Producer(AsyncLifecycle):
     value + key + headers exceed ``settings.max_message_bytes``. Delivery is at-least-once: acks
     come from every in-sync replica (``acks=all``), retries may duplicate a record (no idempotent
     producer on Tansu), so consumers deduplicate by message id. Each send is a PRODUCER span
-    ``send <topic>`` whose context travels in the record's W3C headers.
+    ``send <topic template>`` (``send conveyor.job.{id}.batches``) whose context travels in
+    the record's W3C headers.
     """
 
     def __init__(
@@ -133,18 +134,11 @@ class Producer(AsyncLifecycle):
                 f"record for {topic} is {size} bytes, over max_message_bytes="
                 f"{self._settings.max_message_bytes}; not sent"
             )
-        attributes: dict[str, str | int] = {
-            "messaging.system": MESSAGING_SYSTEM,
-            "messaging.operation.type": "send",
-            "messaging.operation.name": "send",
-            "messaging.destination.name": topic,
-            "messaging.message.body.size": len(value),
-        }
+        name, attributes = messaging_span("send", topic)
+        attributes["messaging.message.body.size"] = len(value)
         if key_bytes is not None:
             attributes["messaging.kafka.message.key"] = key_attribute(key_bytes)
-        span = self._tracer.start_span(
-            f"send {topic}", kind=SpanKind.PRODUCER, attributes=attributes
-        )
+        span = self._tracer.start_span(name, kind=SpanKind.PRODUCER, attributes=attributes)
         inject_headers(header_list, trace.set_span_in_context(span))
         started_s = time.perf_counter()
         try:

@@ -12,17 +12,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
+from opentelemetry.context import Context
 
 from conveyor.platform import telemetry
 from conveyor.platform.bus.errors import BusError, BusUnavailable, from_kafka_error
 from conveyor.platform.bus.holes import HOLE_RETRY_S, HoleGuard
 from conveyor.platform.bus.metrics import topic_kind, topic_metrics
 from conveyor.platform.bus.options import consumer_options
+from conveyor.platform.bus.tracing import extract_context
 from conveyor.platform.codec import CodecError, CodecLimits, decode
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.lifecycle import AsyncLifecycle
@@ -52,6 +54,8 @@ class Tailed:
     """The decoded message; its tensors are views over the record's bytes (no copy)."""
     timestamp_ms: int
     size_bytes: int
+    context: Context = field(default_factory=Context)
+    """OpenTelemetry context extracted from the record's W3C headers (empty when none)."""
 
 
 class TopicTail(AsyncLifecycle):
@@ -244,6 +248,7 @@ class TopicTail(AsyncLifecycle):
             message=message,
             timestamp_ms=int(record.timestamp),
             size_bytes=size_bytes,
+            context=extract_context(dict(record.headers) if record.headers else {}),
         )
 
 

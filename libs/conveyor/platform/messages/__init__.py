@@ -78,6 +78,7 @@ from conveyor.platform.messages.job_events import (
     JobSubmitted,
     SamplesSkipped,
     TrainerJoined,
+    TrainerPresence,
     TrainerProgress,
 )
 
@@ -146,6 +147,7 @@ __all__ = [
     "TopicSpec",
     "Topics",
     "TrainerJoined",
+    "TrainerPresence",
     "TrainerProgress",
     "TrainerState",
     "batch_id_for",

@@ -9,7 +9,7 @@ of the grads and params topics.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -50,7 +50,7 @@ class GradSlice(Message):
     """Unix seconds."""
 
 
-@message("Contribution", version=2)
+@message("Contribution", version=3)
 @dataclass(kw_only=True, slots=True)
 class Contribution(Message):
     """Sent by a trainer on ``Topics.control(job_id)`` after ALL of its GradSlices were
@@ -59,6 +59,8 @@ class Contribution(Message):
 
     Version 2 added ``epoch`` and ``sample_ids``: what the gradient was really computed on,
     which the coordinator counts into the job's sample ledger when a StepClose applies it.
+    Version 3 added ``inner_steps`` (local mode, whose GradSlices carry the window's parameter
+    delta times ``num_samples`` instead of a summed gradient).
     """
 
     job_id: str
@@ -89,12 +91,18 @@ class Contribution(Message):
     """Bytes of gradient payload sent for it (all slices), for the wire-bytes report."""
     sent_at: float
     """Unix seconds."""
+    inner_steps: list[int] = field(default_factory=list)
+    """Local mode: the forward/backward passes (micro-batches) of each inner optimizer step
+    of the window, in order (their sum is the passes in ``sample_ids``); empty in sync and
+    ssp mode (one step). Added in version 3."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 0 or self.epoch < 0:
             raise ValueError(
                 f"num_samples and epoch must be >= 0, got {self.num_samples}, {self.epoch}"
             )
+        if any(passes < 1 for passes in self.inner_steps):
+            raise ValueError(f"every inner step has >= 1 pass, got {self.inner_steps}")
         ids = self.sample_ids
         if ids.dtype not in (torch.int32, torch.int64) or ids.shape != (self.num_samples,):
             raise ValueError(

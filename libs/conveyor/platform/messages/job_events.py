@@ -88,7 +88,7 @@ class JobPlanned(JobEvent):
     eval_batches_per_epoch: int
     """Evaluation micro-batches of one epoch."""
     steps_per_epoch: int
-    """Optimizer steps of one epoch."""
+    """Optimizer steps of one epoch (local mode: outer steps, one per window)."""
     shards_per_epoch: int
     """Shard tasks of one epoch (train and eval)."""
     batches_topic: str
@@ -358,6 +358,35 @@ class CheckpointUnusable(JobEvent):
     """The checkpoint used instead (None: none was good; the job started over)."""
     worker_id: str
     """The process that found it."""
+
+
+@message("TrainerPresence", version=1)
+@dataclass(kw_only=True, slots=True)
+class TrainerPresence(Message):
+    """A trainer says it is in the pool, and which job it trains (the scheduler's input).
+
+    Not a job event: keyed by the worker id. Every trainer publishes one when it starts, when
+    the job it hosts changes, every ``ttl_s / 3`` seconds, and with ``leaving`` when it stops.
+    A trainer whose last presence is older than its ``ttl_s`` on the log's clock (the newest
+    ``at`` of the jobs topic) counts as gone (it died without saying so).
+    """
+
+    worker_id: str
+    """The trainer."""
+    job_id: str | None
+    """The job it hosts now (also while it lets the job go); None when idle."""
+    ttl_s: float
+    """Seconds after ``at`` (on the log's clock) when the trainer counts as gone."""
+    leaving: bool = False
+    """The trainer stops: take it out of the pool now."""
+    at: float = dataclasses.field(default_factory=time.time)
+    """When it was sent, unix time in seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("TrainerPresence.worker_id must not be empty")
+        if not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise ValueError(f"TrainerPresence.ttl_s must be > 0: {self.ttl_s}")
 
 
 TERMINAL_EVENTS: tuple[type[JobEvent], ...] = (JobCompleted, JobFailed, JobCancelled)

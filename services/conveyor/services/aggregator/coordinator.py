@@ -24,6 +24,10 @@ step in proportion to its measured throughput and publishes a ``routing`` of the
 topic's partitions (:meth:`Coordinator.routing`) so that each trainer also *receives* that
 share of the batches; equal splits each step equally and routes nothing.
 
+Local mode (DiLoCo-style) closes outer steps exactly as sync closes steps; its contributions
+carry parameter deltas instead of gradients, which the slice owners feed to the outer optimizer
+(:func:`conveyor.training.optim.aggregator_optimizer`) at the outer lr the close carries.
+
 SGD momentum under bounded staleness: a close whose gradient is ``d > 0`` versions old carries
 ``momentum / (1 + d)`` (:func:`conveyor.training.optim.staleness_momentum`); the slice owners apply
 it.
@@ -117,7 +121,10 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         distribution = config.spec.distribution
-        self.sync = distribution.mode == "sync"
+        # Local mode closes its outer steps as sync closes its steps: every live member's
+        # window, computed on the current version.
+        self.sync = distribution.mode in ("sync", "local")
+        self.local = distribution.mode == "local"
         self.staleness_bound = 0 if self.sync else distribution.staleness
         self.adaptive = distribution.allocation == "adaptive"
         self.members = Membership(config.member_timeout_s)
@@ -264,13 +271,15 @@ class Coordinator:
 
     def allocation(self, now: float) -> dict[str, int]:
         """Micro-batches per live member for the next step (empty without live members):
-        adaptive: proportional to each one's throughput; equal: an equal split."""
+        adaptive: proportional to each one's throughput; equal: an equal split. With more
+        members than micro-batches per step, members take turns (the next version is the
+        turn), so a step never holds more than the global batch."""
         live = self.members.live(now)
         if not live:
             return {}
         throughputs = {m.worker_id: m.samples_per_second if self.adaptive else None
                        for m in live}  # fmt: skip
-        return allocate(throughputs, self.config.micro_batches_per_step)
+        return allocate(throughputs, self.config.micro_batches_per_step, turn=self.version)
 
     def routing(self, now: float) -> list[float] | None:
         """Weights of the batches topic's partitions (sum 1) that give each live member the
@@ -435,6 +444,8 @@ class Coordinator:
         return staleness_momentum(optimizer.momentum, staleness)
 
     def _lr(self) -> float:
+        if self.local:  # the schedule is the inner optimizer's, on the trainers
+            return self.config.spec.distribution.outer.lr
         training = self.config.spec.training
         return lr_at(
             training.lr_schedule,

@@ -35,7 +35,6 @@ from collections.abc import Callable
 
 import torch
 from opentelemetry import trace
-from opentelemetry.trace import Link
 
 from conveyor.platform.bus import (
     BusError,
@@ -45,6 +44,7 @@ from conveyor.platform.bus import (
     Received,
     TopicTail,
 )
+from conveyor.platform.bus.tracing import fan_in, producer_context
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import (
     GradSlice,
@@ -396,9 +396,11 @@ class JobAggregator:
             if close.checkpoint is not None:
                 offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
             slices, records = owner.take(close)
-            links = _links(records)
+            # One contribution's trace goes on through the aggregation; the others are links.
+            parent, links = fan_in(producer_context(received.context) for received in records)
             with self._tracer.start_as_current_span(
                 "aggregate",
+                context=parent,
                 links=links,
                 attributes={
                     "conveyor.job_id": self.ctx.job_id,
@@ -446,16 +448,6 @@ def _step(
         raise JobFailure(f"version {close.version}, slice {owner.slice_index}: {exc}") from exc
     saved = owner.snapshot(grads_offset) if close.checkpoint is not None else None
     return owner.values.clone(), saved
-
-
-def _links(records: list[Received]) -> list[Link]:
-    """One link per distinct producer span (duplicates of a record share it)."""
-    links: dict[int, Link] = {}
-    for received in records:
-        context = trace.get_current_span(received.context).get_span_context()
-        if context.is_valid:
-            links.setdefault(context.span_id, Link(context))
-    return list(links.values())
 
 
 def _payload_bytes(grad: GradSlice) -> int:

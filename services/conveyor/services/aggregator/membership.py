@@ -91,10 +91,18 @@ class Membership:
         return sum(ratios) / len(ratios) if ratios else None
 
 
-def allocate(throughputs: Mapping[str, float | None], total: int) -> dict[str, int]:
-    """Micro-batches per worker for one step: proportional to throughput (largest remainder),
-    summing to ``total``, at least 1 each while there are no more workers than ``total`` (else
-    the ``total`` fastest get 1). Unknown throughputs count as the mean of the known ones."""
+def allocate(
+    throughputs: Mapping[str, float | None], total: int, *, turn: int = 0
+) -> dict[str, int]:
+    """Micro-batches per worker for one step, summing to ``total``: proportional to throughput
+    (largest remainder), at least 1 each while there are no more workers than ``total``.
+    Unknown throughputs count as the mean of the known ones.
+
+    More workers than ``total``: ``total`` of them get 1 and the rest 0, taking turns over the
+    sorted worker ids (step ``turn`` starts at ``turn * total``), so the global batch stays
+    ``total`` micro-batches whatever the pool size, and every worker's batches (a worker
+    receives its own share of the batches topic) are consumed within ``ceil(n / total)``
+    steps."""
     if total < 1:
         raise ValueError(f"total must be >= 1, got {total}")
     if not throughputs:
@@ -103,8 +111,10 @@ def allocate(throughputs: Mapping[str, float | None], total: int) -> dict[str, i
     default = sum(known) / len(known) if known else 1.0
     rates = {w: _positive(t) or default for w, t in sorted(throughputs.items())}
     if len(rates) >= total:
-        fastest = sorted(rates, key=lambda w: (-rates[w], w))[:total]
-        return {w: int(w in fastest) for w in rates}
+        order = list(rates)
+        start = (turn * total) % len(order)
+        chosen = {order[(start + i) % len(order)] for i in range(total)}
+        return {w: int(w in chosen) for w in order}
     scale = total / sum(rates.values())
     ideal = {w: r * scale for w, r in rates.items()}
     counts = {w: max(1, math.floor(x)) for w, x in ideal.items()}

@@ -5,19 +5,23 @@ The request body of ``POST /v1/jobs`` is :class:`~conveyor.training.jobspec.JobS
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Query
 from pydantic import BaseModel, Field
 
 from conveyor.training.jobview import JobState, JobView
+from conveyor.training.scheduling import Schedule
 
 API_PREFIX = "/v1"
 MAX_LIST_LIMIT = 1000
 IDEMPOTENCY_KEY_MAX_CHARS = 200
 
 ListLimit = Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT, description="Most jobs returned.")]
-StateFilter = Annotated[JobState | None, Query(description="Only jobs in this state.")]
+ShownState = JobState | Literal["queued"]
+"""A job's state as the API shows it: ``queued`` is a planned (or started) job that the
+schedule leaves waiting for trainers."""
+StateFilter = Annotated[ShownState | None, Query(description="Only jobs in this state.")]
 
 
 class Progress(BaseModel):
@@ -52,7 +56,11 @@ class Job(BaseModel):
 
     id: str
     name: str
-    state: JobState
+    state: ShownState
+    queue_position: int | None = Field(
+        description="1-based place in the queue of jobs waiting for trainers (state queued)."
+    )
+    trainers: list[str] = Field(description="The trainers the schedule places on the job now.")
     submitted_at: float = Field(description="Unix seconds.")
     updated_at: float = Field(description="Unix seconds of the last applied event.")
     cancel_requested: bool
@@ -65,11 +73,14 @@ class Job(BaseModel):
     spec: dict[str, Any]
 
     @classmethod
-    def of(cls, view: JobView) -> Job:
+    def of(cls, view: JobView, schedule: Schedule) -> Job:
+        position = schedule.position(view.job_id)
         return cls(
             id=view.job_id,
             name=view.name,
-            state=view.state,
+            state="queued" if position is not None else view.state,
+            queue_position=position,
+            trainers=schedule.trainers_of(view.job_id),
             submitted_at=view.submitted_at,
             updated_at=view.updated_at,
             cancel_requested=view.cancel_requested,
@@ -89,6 +100,37 @@ class Job(BaseModel):
 class JobList(BaseModel):
     jobs: list[Job]
     count: int = Field(description="Number of jobs in this response.")
+
+
+class QueuedJob(BaseModel):
+    """A job waiting for its minimum of trainers."""
+
+    id: str
+    name: str
+    position: int = Field(description="1-based; the first is served first.")
+    priority: int
+    min_trainers: int = Field(description="Trainers it needs before it starts.")
+    submitted_at: float = Field(description="Unix seconds.")
+
+
+class PlacedJob(BaseModel):
+    """A job the schedule gives trainers."""
+
+    id: str
+    name: str
+    priority: int
+    trainers: list[str]
+    min_trainers: int
+    max_trainers: int
+
+
+class Queue(BaseModel):
+    """The trainer pool and the schedule, as every trainer computes it from the jobs topic."""
+
+    pool_size: int = Field(description="Live trainers (TrainerPresence within its ttl).")
+    idle_trainers: list[str] = Field(description="Live trainers the schedule gives no job.")
+    placed: list[PlacedJob] = Field(description="Jobs with trainers, in the schedule's order.")
+    queued: list[QueuedJob] = Field(description="Jobs waiting, in the order they will start.")
 
 
 class StageLatency(BaseModel):

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from opentelemetry import trace
 
 from conveyor.platform.bus import BusError, Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
@@ -40,9 +41,11 @@ from conveyor.services.gateway.errors import (
 from conveyor.services.gateway.events import EventHub, JobsTail
 from conveyor.services.gateway.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from conveyor.services.gateway.routes import install_routes
+from conveyor.services.gateway.schemas import ShownState
 from conveyor.training.jobspec import JobSpec
-from conveyor.training.jobview import JobState, JobsView, JobView
+from conveyor.training.jobview import JobsView, JobView
 from conveyor.training.locations import refused_locations
+from conveyor.training.scheduling import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +136,19 @@ class GatewayService(Service):
             raise JobNotFound(job_id)
         return job
 
-    def list_jobs(self, *, state: JobState | None = None, limit: int = 100) -> list[JobView]:
-        """Newest submission first, optionally in one state only."""
+    def list_jobs(self, *, state: ShownState | None = None, limit: int = 100) -> list[JobView]:
+        """Newest submission first, optionally in one state only (``queued``: the schedule's
+        queue, which holds planned and started jobs)."""
         self._require_ready()
-        return self.view.list(state=state, limit=limit)
+        if state != "queued":
+            return self.view.list(state=state, limit=limit)
+        queue = set(self.view.schedule().queue)
+        return [job for job in self.view.list(limit=len(self.view)) if job.job_id in queue][:limit]
+
+    def schedule(self) -> Schedule:
+        """Where the trainer pool goes now and the queue, from the jobs topic as read here."""
+        self._require_ready()
+        return self.view.schedule()
 
     async def submit(self, spec: JobSpec, idempotency_key: str | None) -> tuple[JobView, bool]:
         """Accept a job; returns (job, created). created is False for a repeated key.
@@ -215,7 +227,12 @@ class GatewayService(Service):
     async def _publish_submitted(
         self, job_id: str, spec: dict[str, Any], idempotency_key: str | None
     ) -> JobView:
-        await self._publish(JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key))
+        # The job's submission span: the JobSubmitted record carries its trace to the sharder,
+        # whose plan (in this trace) every shard release of the job links to.
+        tracer = trace.get_tracer(__name__)
+        with tracer.start_as_current_span("submit job", attributes={"conveyor.job_id": job_id}):
+            event = JobSubmitted(job_id=job_id, spec=spec, idempotency_key=idempotency_key)
+            await self._publish(event)
         job = self.view.get(job_id)
         assert job is not None, "the view applied the submitted event"
         return job

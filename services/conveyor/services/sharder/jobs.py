@@ -25,6 +25,7 @@ from conveyor.platform.messages import (
     JobSubmitted,
     SamplesSkipped,
     Topics,
+    TrainerPresence,
 )
 from conveyor.services.sharder.flow import FlowControl
 from conveyor.training.jobspec import JobSpec
@@ -118,6 +119,8 @@ class JobTable:
     def apply(self, received: Received) -> bool:
         """Fold one record; True when it may be acknowledged now (see the module docstring)."""
         event = received.message
+        if isinstance(event, TrainerPresence):
+            return True  # the trainer pool is the trainers' and the gateway's concern
         if not isinstance(event, JobEvent):
             logger.warning("ignoring %s on %s", type(event).__name__, received.topic)
             return True

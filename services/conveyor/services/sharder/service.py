@@ -299,7 +299,10 @@ class SharderService(Service):
             sample_shape=list(shape),
             train_batches_per_epoch=plan.train_batches_per_epoch,
             eval_batches_per_epoch=plan.eval_batches_per_epoch,
-            steps_per_epoch=plan.steps_per_epoch(job.spec.micro_batches_per_step),
+            # Versions: local mode closes one per window of sync_every_steps steps.
+            steps_per_epoch=plan.steps_per_epoch(
+                job.spec.micro_batches_per_step * (job.spec.distribution.sync_every_steps or 1)
+            ),
             shards_per_epoch=plan.tasks_per_epoch,
             batches_topic=self.topics.batches(job.job_id),
             control_topic=self.topics.control(job.job_id),
@@ -308,7 +311,8 @@ class SharderService(Service):
 
     def _batches_partitions(self, job: JobRecord) -> int:
         assert job.spec is not None
-        return self.topology.batches_partitions(job.spec.distribution.trainers)
+        # Sized for the most trainers the job may grow to: each needs partitions to read.
+        return self.topology.batches_partitions(job.spec.distribution.trainer_bounds[2])
 
     async def _create_job_topics(self, job: JobRecord) -> None:
         assert self._admin is not None

@@ -42,6 +42,14 @@ class TrainerSettings(_FileAwareSettings):
             "for the coordinator; keep it well under its member timeout)."
         ),
     )
+    presence_ttl_s: Annotated[float, Field(ge=1, le=3600)] = Field(
+        default=15.0,
+        description=(
+            "The trainer says it is in the pool (TrainerPresence on the jobs topic) every third "
+            "of this; without a word for this long on the log's clock it counts as gone and "
+            "the scheduler gives its place to another trainer."
+        ),
+    )
     empty_contribution_wait_s: Annotated[float, Field(gt=0, le=60)] = Field(
         default=0.2,
         description=(

@@ -10,8 +10,10 @@ Reads as the loop it runs::
         gather the allocated micro-batches of the current epoch, forward/backward each
             (eval batches of ended epochs are evaluated on the way, EvalResult per batch)
         none within empty_contribution_wait_s -> an empty contribution (sync)
-        flat gradient -> K slices -> encode -> send all GradSlices, await acks -> Contribution
-            (its batch ids, and the sample ids of every forward/backward it ran)
+        local mode: take an inner optimizer step, gather again, for sync_every_steps steps
+        flat gradient (local: the window's weighted parameter delta) -> K slices -> encode ->
+            send all GradSlices, await acks -> Contribution (its batch ids, and the sample ids
+            of every forward/backward it ran)
     then evaluate what still comes, until the job is terminal (the service cancels us)
 
 What the control log says drives everything else (:meth:`JobRunner._on_control`): a StepClose
@@ -59,6 +61,7 @@ from conveyor.services.trainer.plane.control import Applied, Outcome
 from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
+from conveyor.services.trainer.plane.param_traces import ParamTraces
 from conveyor.services.trainer.plane.sending import Computed
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
@@ -123,9 +126,12 @@ class JobRunner:
             heartbeat=self.heartbeat,
         )
         self.loaded_version: int | None = None
+        self._window_moved = False
+        """Local mode: inner steps moved the model away from ``loaded_version``."""
         self._undo: list[EncodedGrad] = []
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._tracer = trace.get_tracer(TRACER_NAME)
+        self._param_traces = ParamTraces()
 
     # -- the job ------------------------------------------------------------------------------
 
@@ -213,6 +219,8 @@ class JobRunner:
                     self.plane.params.add(record.message)
                 except ValueError as exc:
                     raise JobFailure(f"parameters on {record.topic} do not fit: {exc}") from exc
+                self._param_traces.add(record, record.message.version)
+        self._param_traces.forget_before(self.plane.params.version)
         self._keep_epoch_params()
         self.plane.signal.fire()
 
@@ -290,9 +298,11 @@ class JobRunner:
         undo, self._undo = self._undo, []
         for encoded in undo:
             await self._compute(self.session.engine.encoder.undo, encoded)
-        if version == self.loaded_version:
+        if version == self.loaded_version and not self._window_moved:
             return
-        load_s = await self._compute(self.session.engine.load, flat)
+        with self._param_traces.load_span(self._tracer, self.session.params_topic, version):
+            load_s = await self._compute(self.session.engine.load, flat)
+        self._window_moved = False
         self.figures.params_loaded(version, load_s)
         self.loaded_version = version
         self.snapshots.keep(version, flat, control)
@@ -304,17 +314,27 @@ class JobRunner:
         wanted = plane.control.micro_batches_for(
             self.session.spec.micro_batches_per_step, time.time()
         )
-        computed, wait_s = await self._gather(wanted)
+        if plane.outstanding.mode == "ssp":
+            # Each ssp contribution is a step of its own, and nothing would end a turn of 0
+            # (sync answers it with an empty contribution and waits for the close).
+            wanted = max(1, wanted)
+        if engine.inner is None:
+            computed, wait_s = await self._gather(wanted)
+            inner_steps: list[int] = []
+        else:
+            computed, wait_s, inner_steps = await self._window(wanted, base)
         if not computed:
             if plane.outstanding.mode == "sync" and not self._training_over():
                 pending = await plane.sender.send_empty(base, plane.control.current_epoch)
                 plane.outstanding.add(pending)
                 self.figures.empty_sent()
             return
-        encoded, encode_s = await self._compute(
-            engine.gradient, sum(c.result.samples for c in computed)
+        samples = sum(c.result.samples for c in computed)
+        make = engine.gradient if engine.inner is None else engine.delta
+        encoded, encode_s = await self._compute(make, samples)
+        pending, grad_send_s = await plane.sender.send(
+            base, computed, encoded, inner_steps=inner_steps
         )
-        pending, grad_send_s = await plane.sender.send(base, computed, encoded)
         plane.outstanding.add(pending)
         self.figures.contribution_sent(
             grad_bytes=encoded.nbytes,
@@ -326,12 +346,40 @@ class JobRunner:
             param_wait_s=param_wait_s,
         )
 
-    async def _gather(self, wanted: int) -> tuple[list[Computed], float]:
+    async def _window(self, wanted: int, base: int) -> tuple[list[Computed], float, list[int]]:
+        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches each
+        on the loaded version ``base``; ends early when a step finds fewer (the epoch's data
+        ran out, or none arrived in time). Returns the passes, the seconds waited for data and
+        the passes of each inner step."""
+        inner = self.session.engine.inner
+        assert inner is not None
+        computed: list[Computed] = []
+        inner_steps: list[int] = []
+        wait_s = 0.0
+        for index in range(inner.window):
+            step, waited = await self._gather(wanted, [c.batch for c in computed])
+            wait_s += waited
+            if not step:
+                break
+            samples = sum(c.result.samples for c in step)
+            await self._compute(self.session.engine.inner_step, samples, inner.lr(base, index))
+            computed += step
+            inner_steps.append(len(step))
+            if len(step) < wanted:
+                break
+        self._window_moved = bool(computed)  # the model left the version: load anew
+        return computed, wait_s, inner_steps
+
+    async def _gather(
+        self, wanted: int, held: list[ReadyBatch] | None = None
+    ) -> tuple[list[Computed], float]:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
-        stops early when none arrives within ``empty_contribution_wait_s``. Returns the passes
-        computed (one per forward/backward) and the seconds waited for data."""
+        stops early when none arrives within ``empty_contribution_wait_s``. ``held``: batches
+        this contribution already computed (earlier inner steps of a local window). Returns the
+        passes computed (one per forward/backward) and the seconds waited for data."""
         intake = self.intake
         computed: list[Computed] = []
+        earlier = held or []
         wait_s = 0.0
         while len(computed) < wanted and not self._training_over():
             intake.drop_revoked()
@@ -339,7 +387,8 @@ class JobRunner:
             item, dropped = intake.book.next_train(self.plane.control)
             self.figures.batches_dropped(dropped, "applied elsewhere")
             if item is None:
-                if computed and self._epoch_in_hand([c.batch for c in computed]):
+                gathered = earlier + [c.batch for c in computed]
+                if gathered and self._epoch_in_hand(gathered):
                     break  # the rest of the epoch is here: waiting would only stall the step
                 received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
                 wait_s += waited

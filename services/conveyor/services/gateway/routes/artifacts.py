@@ -38,7 +38,7 @@ async def list_checkpoints(job_id: str, backend: BackendDep) -> CheckpointList:
 async def request_checkpoint(job_id: str, backend: BackendDep) -> Job:
     """Ask for a checkpoint at the job's next step; it appears in the list once committed
     (a ``checkpoint`` event in the job's event stream)."""
-    return Job.of(await backend.request_checkpoint(job_id))
+    return Job.of(await backend.request_checkpoint(job_id), backend.schedule())
 
 
 @router.get(

@@ -12,8 +12,10 @@ from conveyor.services.gateway.artifacts import JobArtifacts
 from conveyor.services.gateway.autoscaling import AutoscalerLog
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.events import EventHub
+from conveyor.services.gateway.schemas import ShownState
 from conveyor.training.jobspec import JobSpec
-from conveyor.training.jobview import JobState, JobView
+from conveyor.training.jobview import JobView
+from conveyor.training.scheduling import Schedule
 
 
 class JobsBackend(Protocol):
@@ -26,7 +28,9 @@ class JobsBackend(Protocol):
 
     def get_job(self, job_id: str) -> JobView: ...
 
-    def list_jobs(self, *, state: JobState | None, limit: int) -> list[JobView]: ...
+    def list_jobs(self, *, state: ShownState | None, limit: int) -> list[JobView]: ...
+
+    def schedule(self) -> Schedule: ...
 
     async def submit(self, spec: JobSpec, idempotency_key: str | None) -> tuple[JobView, bool]: ...
 

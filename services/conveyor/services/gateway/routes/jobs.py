@@ -58,21 +58,22 @@ async def submit_job(
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.job_id}"
-    return Job.of(job)
+    return Job.of(job, backend.schedule())
 
 
 @router.get("")
 async def list_jobs(
     backend: BackendDep, state: StateFilter = None, limit: ListLimit = 100
 ) -> JobList:
-    """Jobs, newest submission first."""
-    jobs = [Job.of(job) for job in backend.list_jobs(state=state, limit=limit)]
+    """Jobs, newest submission first; ``state=queued``: the jobs waiting for trainers."""
+    schedule = backend.schedule()
+    jobs = [Job.of(job, schedule) for job in backend.list_jobs(state=state, limit=limit)]
     return JobList(jobs=jobs, count=len(jobs))
 
 
 @router.get("/{job_id}", responses=_NOT_FOUND)
 async def get_job(job_id: str, backend: BackendDep) -> Job:
-    return Job.of(backend.get_job(job_id))
+    return Job.of(backend.get_job(job_id), backend.schedule())
 
 
 @router.post(
@@ -82,7 +83,7 @@ async def get_job(job_id: str, backend: BackendDep) -> Job:
 )
 async def cancel_job(job_id: str, backend: BackendDep) -> Job:
     """Request cancellation; the job turns ``cancelled`` once its services stopped it."""
-    return Job.of(await backend.cancel(job_id))
+    return Job.of(await backend.cancel(job_id), backend.schedule())
 
 
 @router.get("/{job_id}/stages", responses=_NOT_FOUND)
@@ -119,7 +120,7 @@ async def _event_stream(backend: JobsBackend, job_id: str) -> AsyncIterator[str]
     try:
         job = backend.get_job(job_id)
         seen_seq = job.seq
-        yield _frame("snapshot", job.seq, Job.of(job).model_dump_json())
+        yield _frame("snapshot", job.seq, Job.of(job, backend.schedule()).model_dump_json())
         if job.terminal:
             return
         while True:
@@ -134,7 +135,7 @@ async def _event_stream(backend: JobsBackend, job_id: str) -> AsyncIterator[str]
             if item.missed:  # this client fell behind: resynchronise with a snapshot
                 job = backend.get_job(job_id)
                 seen_seq = job.seq
-                yield _frame("snapshot", job.seq, Job.of(job).model_dump_json())
+                yield _frame("snapshot", job.seq, Job.of(job, backend.schedule()).model_dump_json())
                 if job.terminal:
                     return
                 continue

@@ -16,8 +16,10 @@ router = APIRouter(prefix="/jobs", tags=["pages"], include_in_schema=False)
 @router.get("", response_class=HTMLResponse)
 async def jobs_list_page(backend: BackendDep, limit: ListLimit = 100) -> HTMLResponse:
     """Jobs, newest first, each linking to its page."""
+    schedule = backend.schedule()
     jobs = [
-        Job.of(job).model_dump(mode="json") for job in backend.list_jobs(state=None, limit=limit)
+        Job.of(job, schedule).model_dump(mode="json")
+        for job in backend.list_jobs(state=None, limit=limit)
     ]
     html = jobs_page(jobs, job_href="/jobs/{id}", refresh_s=backend.settings.page_refresh_s)
     return HTMLResponse(html)
@@ -30,7 +32,7 @@ async def job_detail_page(job_id: str, backend: BackendDep) -> HTMLResponse:
     settings = backend.settings
     links = ReportLinks(jaeger_url=settings.jaeger_url, grafana_url=settings.grafana_url)
     html = job_page(
-        Job.of(view).model_dump(mode="json"),
+        Job.of(view, backend.schedule()).model_dump(mode="json"),
         JobStages.of(view).model_dump(mode="json"),
         links=links,
         refresh_s=settings.page_refresh_s,

@@ -7,7 +7,9 @@ executor), never on the event loop.
 Gradient accumulation: each micro-batch adds the gradient of its *summed* loss, so a
 contribution's gradient is the sum over its samples; the aggregator divides the sum of all
 contributions by the step's sample count (a step equals one batch of all its samples, loss
-averaged by sample count, whatever the split between trainers and micro-batches).
+averaged by sample count, whatever the split between trainers and micro-batches). Local mode
+steps the model with its inner optimizer instead and sends the window's weighted parameter
+delta (:mod:`conveyor.services.trainer.compute.inner`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conveyor.services.trainer.compute.inner import InnerOptimizer, weighted_delta
 from conveyor.services.trainer.plane.gradients import EncodedGrad, SliceEncoder
 from conveyor.training.jobspec import NormalizeSpec, ResourcesSpec
 from conveyor.training.slicing import ParamLayout
@@ -95,8 +98,10 @@ class Engine:
         normalizer: Normalizer,
         layout: ParamLayout,
         encoder: SliceEncoder,
+        inner: InnerOptimizer | None = None,
         simulated_delay_s: float = 0.0,
     ) -> None:
+        """``inner``: local mode's inner optimizer over ``model`` (None: sync, ssp)."""
         if simulated_delay_s < 0:
             raise ValueError(f"simulated_delay_s must be >= 0, got {simulated_delay_s}")
         self.model = model
@@ -105,7 +110,10 @@ class Engine:
         self.normalize = normalizer
         self.layout = layout
         self.encoder = encoder
+        self.inner = inner
         self.simulated_delay_s = simulated_delay_s
+        self._base: torch.Tensor | None = None
+        """Local mode: fp32 [N] parameters of the loaded version, on the device."""
 
     def _simulate_slower_device(self) -> None:
         if self.simulated_delay_s > 0:
@@ -131,6 +139,8 @@ class Engine:
         started = time.perf_counter()
         self.layout.load_flat(self.model, flat.to(self.device))
         self.model.zero_grad(set_to_none=True)
+        if self.inner is not None:
+            self._base = self.layout.flatten_params(self.model)  # [N], a copy
         self._synchronize()
         return time.perf_counter() - started
 
@@ -151,6 +161,25 @@ class Engine:
         flat = self.layout.flatten_grads(self.model)  # [N]
         encoded = self.encoder.encode(flat, num_samples)  # -> K slices
         self.model.zero_grad(set_to_none=True)
+        return encoded, time.perf_counter() - started
+
+    def inner_step(self, num_samples: int, lr: float) -> float:
+        """Local mode: one inner optimizer step on the gradient accumulated over
+        ``num_samples`` samples; returns the seconds it took."""
+        assert self.inner is not None, "inner steps are local mode's"
+        started = time.perf_counter()
+        self.inner.step(num_samples, lr)
+        self._synchronize()
+        return time.perf_counter() - started
+
+    def delta(self, num_samples: int) -> tuple[EncodedGrad, float]:
+        """Local mode: the window's parameter delta since the loaded version, times its
+        ``num_samples`` samples, sliced and encoded like a gradient. Returns it and the
+        seconds it took."""
+        assert self._base is not None, "load a version before a window"
+        started = time.perf_counter()
+        local = self.layout.flatten_params(self.model)  # [N]
+        encoded = self.encoder.encode(weighted_delta(self._base, local, num_samples), num_samples)
         return encoded, time.perf_counter() - started
 
     def discard_gradient(self) -> None:

@@ -21,6 +21,7 @@ from conveyor.services.trainer.compute.engine import (
     apply_resources,
     resolve_device,
 )
+from conveyor.services.trainer.compute.inner import InnerOptimizer
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.plane.gradients import SliceEncoder
 from conveyor.training.jobhost import JobFailure
@@ -67,15 +68,16 @@ def max_in_flight(spec: JobSpec, plan: JobPlanned, settings: TrainerSettings) ->
     what the sharder may release ahead of what was applied (its lead plus one shard: tasks are
     released whole; later-epoch batches wait here), one epoch of eval batches, the batches of
     the contributions that may be outstanding (ssp: staleness + 1 of them, plus one being
-    computed), the prefetch depth and a margin.
+    computed; local mode: windows of ``sync_every_steps`` steps), the prefetch depth and a margin.
     """
     shard_batches = math.ceil(spec.shard_size / spec.training.micro_batch_size)
     staleness = spec.distribution.staleness if spec.distribution.mode == "ssp" else 0
+    window = spec.distribution.sync_every_steps or 1  # local mode: H steps per contribution
     return (
         spec.flow.max_lead_batches
         + shard_batches
         + plan.eval_batches_per_epoch
-        + (staleness + 2) * spec.micro_batches_per_step
+        + (staleness + 2) * window * spec.micro_batches_per_step
         + settings.prefetch_batches
         + settings.in_flight_margin_batches
     )
@@ -111,6 +113,11 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
             normalizer=normalizer,
             layout=layout,
             encoder=SliceEncoder.for_job(spec, bounds),
+            inner=(
+                InnerOptimizer(spec, model, train_batches_per_epoch=plan.train_batches_per_epoch)
+                if spec.distribution.mode == "local"
+                else None
+            ),
             simulated_delay_s=settings.simulated_step_delay_s,
         )
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -1,12 +1,13 @@
 """Bounded prefetch: records -> batches on the device, ahead of the step loop.
 
-A :class:`Prefetcher` task takes decoded records from the consumer, checks them, opens the
-batch's ``process <topic>`` span (continuing the producer's trace), copies the uint8 images to
-the device and puts the result in a bounded queue. With CUDA the copy goes through pinned
-memory on a side stream (``non_blocking``) in its own thread, so it overlaps the compute of
-earlier batches; on the CPU the decoded tensors (views over the record) are used as they are.
-The step loop's :meth:`Prefetcher.get` measures the *exposed* data wait: only the time it
-actually waits for a ready batch.
+A :class:`Prefetcher` task takes decoded records from the consumer, checks them, records the
+batch's ``queue wait`` (from the preprocessor's send to this fetch) and opens its
+``process conveyor.job.{id}.batches`` span, both children of the producer's span; it copies
+the uint8 images to the device and puts the result in a bounded queue. With CUDA the copy
+goes through pinned memory on a side stream (``non_blocking``) in its own thread, so it
+overlaps the compute of earlier batches; on the CPU the decoded tensors (views over the
+record) are used as they are. The step loop's :meth:`Prefetcher.get` measures the *exposed*
+data wait: only the time it actually waits for a ready batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from conveyor.platform.bus import Received
-from conveyor.platform.bus.tracing import MESSAGING_SYSTEM
+from conveyor.platform.bus.tracing import messaging_span
 from conveyor.platform.messages import Batch
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class Prefetcher:
             if message.job_id != self._job_id:
                 self._reject(received, f"batch of job {message.job_id}, not {self._job_id}")
                 continue
+            self._queue_wait_span(received, message, received_at)
             span = self._start_span(received, message, received_at)
             h2d_started = time.time_ns()
             if self._copier.asynchronous:
@@ -187,23 +189,32 @@ class Prefetcher:
                 )
             )
 
+    def _queue_wait_span(self, received: Received, batch: Batch, received_at: float) -> None:
+        """``queue wait``: the batch's time between the preprocessor's send and this fetch
+        (wall clocks of two processes: skewed by whatever their clocks differ by)."""
+        sent_at = batch.timestamps.get("sent")
+        if sent_at is None:
+            return
+        self._tracer.start_span(
+            "queue wait", context=received.context, start_time=int(sent_at * 1e9)
+        ).end(end_time=int(received_at * 1e9))
+
     def _start_span(self, received: Received, batch: Batch, received_at: float) -> Span:
-        attributes: dict[str, str | int] = {
-            "messaging.system": MESSAGING_SYSTEM,
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": received.topic,
-            "messaging.destination.partition.id": str(received.partition),
-            "messaging.kafka.offset": received.offset,
-            "messaging.message.body.size": received.size_bytes,
-            "messaging.consumer.group.name": self._group,
-            "messaging.message.id": batch.batch_id,
-            "conveyor.epoch": batch.epoch,
-            "conveyor.split": batch.split,
-            "conveyor.samples": len(batch.sample_ids),
-        }
+        name, attributes = messaging_span("process", received.topic)
+        attributes.update(
+            {
+                "messaging.destination.partition.id": str(received.partition),
+                "messaging.kafka.offset": received.offset,
+                "messaging.message.body.size": received.size_bytes,
+                "messaging.consumer.group.name": self._group,
+                "messaging.message.id": batch.batch_id,
+                "conveyor.epoch": batch.epoch,
+                "conveyor.split": batch.split,
+                "conveyor.samples": len(batch.sample_ids),
+            }
+        )
         return self._tracer.start_span(
-            f"process {received.topic}",
+            name,
             context=received.context,
             kind=SpanKind.CONSUMER,
             attributes=attributes,

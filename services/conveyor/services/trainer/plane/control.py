@@ -222,16 +222,21 @@ class ControlState:
         return live
 
     def micro_batches_for(self, micro_batches_per_step: int, now: float) -> int:
-        """This trainer's micro-batches for the next step: the latest allocation's, at least
-        1 (batches that only this trainer holds must never starve); a trainer missing from it
-        takes its part of an equal split over the live trainers (sorted ids, the first
-        ``micro_batches_per_step % n`` take one more)."""
+        """This trainer's micro-batches for the next step: the latest allocation's, which may
+        be 0 (more trainers than micro-batches per step take turns; the coordinator's
+        allocation sums to the step, so the global batch holds). Before the first allocation,
+        an equal split over the live trainers (sorted ids, the first
+        ``micro_batches_per_step % n`` take one more; 0 for the rest when there are more
+        trainers than micro-batches); a trainer that joined later is missing from it and
+        takes 0 until the next close names it (its empty contribution makes it a member)."""
         allocated = self.allocation.get(self.worker_id)
         if allocated is not None:
-            return max(1, allocated)
+            return allocated
+        if self.allocation:
+            return 0
         members = sorted(self.live_trainers(now))
         base, extra = divmod(micro_batches_per_step, len(members))
-        return max(1, base + (1 if members.index(self.worker_id) < extra else 0))
+        return base + (1 if members.index(self.worker_id) < extra else 0)
 
 
 def _sequence(contribution_id: str) -> int:

@@ -19,7 +19,7 @@ from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.data.prefetch import TRACER_NAME, ReadyBatch
 from conveyor.services.trainer.plane.control import ControlState
 from conveyor.services.trainer.plane.listening import PlaneListener, Signal
-from conveyor.services.trainer.plane.outstanding import Outstanding
+from conveyor.services.trainer.plane.outstanding import Mode, Outstanding
 from conveyor.services.trainer.plane.params import ParamAssembler
 from conveyor.services.trainer.plane.sending import ContributionSender
 
@@ -46,8 +46,10 @@ class PlaneEndpoint:
         """The job's control log, folded."""
         self.params = ParamAssembler(session.bounds)
         """The newest complete parameter version read from the params topic."""
+        # Local mode's windows follow sync's protocol: one contribution, decided before the next.
+        protocol: Mode = "ssp" if spec.distribution.mode == "ssp" else "sync"
         self.outstanding: Outstanding[ReadyBatch] = Outstanding(
-            mode=spec.distribution.mode, staleness=spec.distribution.staleness
+            mode=protocol, staleness=spec.distribution.staleness
         )
         """This trainer's contributions between sending and their decision."""
         self.sender = ContributionSender(
@@ -56,7 +58,7 @@ class PlaneEndpoint:
         """Puts this trainer's GradSlices, Contributions and EvalResults on the plane."""
         self.signal = Signal()
         """Fired once new records of either log are folded."""
-        self.listener = PlaneListener(self.signal, enabled=spec.distribution.mode == "sync")
+        self.listener = PlaneListener(self.signal, enabled=protocol == "sync")
         """Lets the two readers rest while a sync step needs nothing from them."""
         self._kafka = kafka.for_gradient_plane()  # every step waits on these two readers
         self._control_topic = plan.control_topic

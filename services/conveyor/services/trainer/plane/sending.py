@@ -3,8 +3,9 @@
 A contribution's slices go out pipelined (one ``Producer.send`` per slice, partition = slice
 index, then every ack awaited); only then is its Contribution published on the control topic,
 so a Contribution on the log promises that every slice of it is on the grads topic. The
-``grad send`` span covers both and links to the process spans of the contribution's batches
-(a fan-in of several traces).
+``grad send`` span covers both; it continues the trace of one of the contribution's batches
+(the first sampled one) and links to the process spans of the others (a fan-in of several
+traces, :func:`~conveyor.platform.bus.tracing.fan_in`).
 
 A Contribution says what its gradient was computed on: one :class:`Computed` per forward and
 backward pass the step ran, whose batch's sample ids go into ``sample_ids`` in that order (the
@@ -17,9 +18,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from opentelemetry.trace import Link, Tracer
+from opentelemetry.trace import Tracer
 
 from conveyor.platform.bus import Producer
+from conveyor.platform.bus.tracing import fan_in
 from conveyor.platform.messages import Contribution, EvalResult, GradSlice, sample_ids_tensor
 from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.compute.session import JobSession
@@ -55,10 +57,16 @@ class ContributionSender:
         return contribution_id
 
     async def send(
-        self, base_version: int, computed: list[Computed], encoded: EncodedGrad
+        self,
+        base_version: int,
+        computed: list[Computed],
+        encoded: EncodedGrad,
+        *,
+        inner_steps: list[int] | None = None,
     ) -> tuple[Pending[ReadyBatch], float]:
         """Send the slices of ``encoded`` (the gradient accumulated by ``computed``, all of one
-        epoch), await their acks, publish the Contribution; returns it as :class:`Pending` and
+        epoch; local mode: the window's weighted delta, ``inner_steps`` passes per inner
+        step), await their acks, publish the Contribution; returns it as :class:`Pending` and
         the seconds it took. Raises ``BusError`` when the broker fails."""
         session, contribution_id = self._session, self._next_id()
         started = time.perf_counter()
@@ -66,14 +74,16 @@ class ContributionSender:
         num_samples = sum(c.result.samples for c in computed)
         loss_sum = sum(c.result.loss_sum for c in computed)
         sample_ids = sample_ids_tensor([i for c in computed for i in c.batch.sample_ids])
-        links = [Link(batch.span.get_span_context()) for batch in batches]
+        parent, links = fan_in(batch.span.get_span_context() for batch in batches)
         attributes: dict[str, str | int] = {
             "conveyor.contribution_id": contribution_id,
             "conveyor.base_version": base_version,
             "conveyor.samples": num_samples,
             "conveyor.grad_bytes": encoded.nbytes,
         }
-        with self._tracer.start_as_current_span("grad send", links=links, attributes=attributes):
+        with self._tracer.start_as_current_span(
+            "grad send", context=parent, links=links, attributes=attributes
+        ):
             acks = []
             for index, part in enumerate(encoded.slices):
                 message = GradSlice(
@@ -108,6 +118,7 @@ class ContributionSender:
                     loss_sum=loss_sum,
                     grad_bytes=encoded.nbytes,
                     sent_at=time.time(),
+                    inner_steps=list(inner_steps or []),
                 ),
                 key=self.worker_id,
             )

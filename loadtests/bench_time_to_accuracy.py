@@ -1,0 +1,270 @@
+"""Time to accuracy: plain PyTorch, DDP gloo, Conveyor sync and Conveyor local mode, side by side.
+
+The same model, data, split, per-epoch order, initial weights, optimizer, global batch and
+epochs, on the same cores (1 torch thread per training process), trained by:
+    plain     one process, the whole global batch per step (loadtests/tta_baselines.py);
+    ddp       torch.distributed DDP over gloo, one process per trainer, each its share;
+    sync      Conveyor's real stack (``conveyor up --scale trainer=2 --scale aggregator=2``),
+              distribution.mode sync, submitted through the gateway;
+    local     the same stack, distribution.mode local (DiLoCo-style), sync_every_steps H
+              (--window, default 8), the default outer optimizer (SGD lr 0.7, Nesterov 0.5).
+Cases: small_cnn on sklearn digits (examples/digits.yaml, 5 epochs, the headline) and resnet18
+(width --resnet-width, group norm) on synthetic 3x32x32 (--resnet-n samples, --resnet-epochs).
+The baselines run while no stack is up. Reported per system, median over --repeats:
+    samples/s          train samples / wall time of training (evaluations included; Conveyor:
+                       the coordinator's figure, first contribution to last step);
+    time to accuracy   seconds from the start of training to the first epoch end whose eval
+                       accuracy reaches the case's target (Conveyor: from the first contribution
+                       sent to the epoch_completed event);
+    final accuracy     eval accuracy after the last epoch;
+    bytes per sample   bytes the training processes send per train sample: DDP's ring
+                       all-reduce, 2 (W - 1) x 4 N bytes per step of the global batch; Conveyor,
+                       the gradient (or delta) payload of every contribution plus one fp32
+                       copy of the parameters per version published by the slice owners.
+The last line printed is one JSON object (the headline keys are small_cnn's; resnet18's follow
+with a ``resnet18_`` prefix):
+    {"local_vs_ddp_samples_per_s", "local_vs_ddp_time_to_accuracy", "sync_vs_ddp_samples_per_s",
+     "local_accuracy_delta_vs_sync" (points, sync minus local),
+     "bytes_per_sample_local_vs_sync"}
+
+    .venv/bin/python -m loadtests.bench_time_to_accuracy              # 1 repeat
+    .venv/bin/python -m loadtests.bench_time_to_accuracy --quick      # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from loadtests._bench_common import ConveyorStack, JobWatcher, scale_supported
+from loadtests.tta_baselines import run_baselines
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINERS = 2
+SLICES = 2
+JOB_TIMEOUT_S = 900.0
+SYSTEMS = ("plain", "ddp", "sync", "local")
+ERR = Console(stderr=True)
+
+
+def case_specs(args: argparse.Namespace) -> dict[str, tuple[dict[str, Any], float]]:
+    """{case: (sync job spec, target accuracy)}."""
+    from conveyor.training.jobspec import JobSpec
+
+    digits = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    digits["name"] = "bench-tta-small-cnn"
+    digits["training"]["epochs"] = args.epochs
+    digits["distribution"].update(trainers=TRAINERS, aggregator_shards=SLICES, mode="sync")
+    digits["resources"] = {"device": "cpu", "threads": 1}
+    digits["checkpoint"] = {"keep_last": 1}
+    cases = {"small_cnn": (JobSpec.from_dict(digits).to_dict(), args.target)}
+    if args.resnet_epochs > 0:
+        resnet = JobSpec.from_yaml(f"""
+name: bench-tta-resnet18
+model: {{name: resnet18, width: {args.resnet_width}, norm: group}}
+dataset: {{uri: "synthetic://?n={args.resnet_n}&shape=3x32x32&classes=10", eval_fraction: 0.1}}
+preprocess: {{normalize: {{mean: [0.5, 0.5, 0.5], std: [0.25, 0.25, 0.25]}}}}
+training:
+  epochs: {args.resnet_epochs}
+  global_batch_size: 64
+  micro_batch_size: 32
+  optimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}
+  seed: 0
+distribution: {{trainers: {TRAINERS}, aggregator_shards: {SLICES}, mode: sync}}
+checkpoint: {{keep_last: 1}}
+resources: {{device: cpu, threads: 1}}
+""")
+        cases["resnet18"] = (resnet.to_dict(), args.resnet_target)
+    return cases
+
+
+def local_spec(spec: dict[str, Any], window: int) -> dict[str, Any]:
+    from conveyor.training.jobspec import JobSpec
+
+    data = json.loads(json.dumps(spec))
+    data["name"] = f"{spec['name']}-local"
+    data["distribution"].update(mode="local", sync_every_steps=window)
+    return JobSpec.from_dict(data).to_dict()
+
+
+def num_params(spec: dict[str, Any]) -> int:
+    from conveyor.training.datasets import open_array_dataset
+    from conveyor.training.jobspec import JobSpec
+    from conveyor.training.slicing import build_job_model
+
+    job = JobSpec.from_dict(spec)
+    dataset = open_array_dataset(job.dataset.uri)
+    model = build_job_model(job, num_classes=dataset.num_classes, sample_shape=dataset.sample_shape)
+    return sum(p.numel() for p in model.parameters())
+
+
+def time_to(epochs: list[dict[str, float]], target: float) -> float | None:
+    """Seconds to the first epoch end at or above ``target`` (None: never)."""
+    return next((e["elapsed_s"] for e in epochs if e["eval_accuracy"] >= target), None)
+
+
+def baseline_figures(
+    found: dict[str, Any], target: float, params: int, system: str
+) -> dict[str, float | None]:
+    epochs = found["epochs"]
+    step_bytes = 2 * (TRAINERS - 1) * 4 * params if system == "ddp" else 0
+    batch = 64
+    return {
+        "samples_per_s": found["samples"] / epochs[-1]["elapsed_s"],
+        "time_to_accuracy_s": time_to(epochs, target),
+        "final_accuracy": epochs[-1]["eval_accuracy"],
+        "bytes_per_sample": step_bytes / batch,
+    }
+
+
+def run_job(
+    stack: ConveyorStack, spec: dict[str, Any], target: float, params: int
+) -> dict[str, float | None]:
+    """Submit ``spec``, follow it to its end; the figures of the run."""
+    from conveyor.cli.client import GatewayClient
+    from conveyor.platform.config import KafkaSettings
+
+    with GatewayClient(stack.gateway_url) as client:
+        client.wait_ready()
+        job = client.submit(spec)
+    watcher = JobWatcher(
+        bootstrap=stack.bootstrap,
+        topic_prefix=KafkaSettings(bootstrap=stack.bootstrap).topic_prefix,
+        job_id=job["id"],
+    )
+    watcher.start()
+    try:
+        event, _, data = watcher.wait_terminal(JOB_TIMEOUT_S)
+    finally:
+        watcher.stop()
+    if event != "completed":
+        raise RuntimeError(f"job {job['id']} {event}: {data}")
+    summary: dict[str, Any] = data["summary"]
+    samples = int(summary["samples"])
+    started_at = time.time()
+    if summary["samples_per_second"]:
+        # The coordinator's window: first contribution sent .. last step closed.
+        ends = [at for name, at, _ in watcher.events if name == "completed"]
+        started_at = ends[0] - samples / float(summary["samples_per_second"])
+    epochs = [
+        {"elapsed_s": at - started_at, "eval_accuracy": float(d["eval_accuracy"])}
+        for name, at, d in watcher.events
+        if name == "epoch_completed" and d.get("eval_accuracy") is not None
+    ]
+    sent = float(summary["grad_bytes_total"]) + int(summary["versions"]) * 4 * params
+    return {
+        "samples_per_s": float(summary["samples_per_second"]),
+        "time_to_accuracy_s": time_to(epochs, target),
+        "final_accuracy": float(summary["eval_accuracy"]),
+        "bytes_per_sample": sent / samples,
+        "versions": int(summary["versions"]),
+    }
+
+
+def median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def result_json(figures: dict[str, dict[str, dict[str, float | None]]]) -> dict[str, Any]:
+    """The last line: local and sync against DDP, local against sync, per case."""
+    result: dict[str, Any] = {}
+    for case, systems in figures.items():
+        prefix = "" if case == "small_cnn" else f"{case}_"
+        local, sync, ddp = systems["local"], systems["sync"], systems["ddp"]
+        delta = None
+        if sync["final_accuracy"] is not None and local["final_accuracy"] is not None:
+            delta = 100.0 * (sync["final_accuracy"] - local["final_accuracy"])
+        rate = "samples_per_s"
+        result.update({
+            f"{prefix}local_vs_ddp_samples_per_s": ratio(local[rate], ddp[rate]),
+            f"{prefix}local_vs_ddp_time_to_accuracy": ratio(
+                local["time_to_accuracy_s"], ddp["time_to_accuracy_s"]
+            ),
+            f"{prefix}sync_vs_ddp_samples_per_s": ratio(sync[rate], ddp[rate]),
+            f"{prefix}local_accuracy_delta_vs_sync": delta,
+            f"{prefix}bytes_per_sample_local_vs_sync": ratio(
+                local["bytes_per_sample"], sync["bytes_per_sample"]
+            ),
+        })  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=5, help="small_cnn epochs")
+    parser.add_argument("--target", type=float, default=0.95, help="small_cnn target accuracy")
+    parser.add_argument("--window", type=int, default=8, help="local mode's sync_every_steps")
+    parser.add_argument("--resnet-width", type=int, default=16)
+    parser.add_argument("--resnet-n", type=int, default=2048, help="synthetic samples")
+    parser.add_argument("--resnet-epochs", type=int, default=2, help="0: no resnet18 case")
+    parser.add_argument("--resnet-target", type=float, default=0.9)
+    parser.add_argument("--quick", action="store_true", help="1 small_cnn epoch, no resnet18")
+    args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.resnet_epochs, args.target = 1, 0, 0.5
+    cases = case_specs(args)
+    params = {case: num_params(spec) for case, (spec, _) in cases.items()}
+    runs: dict[tuple[str, str], list[dict[str, float | None]]] = {}
+    for repeat in range(args.repeats):
+        found = run_baselines({case: spec for case, (spec, _) in cases.items()}, TRAINERS)
+        for case, systems in found.items():
+            for system, result in systems.items():
+                measured = baseline_figures(result, cases[case][1], params[case], system)
+                runs.setdefault((case, system), []).append(measured)
+                ERR.log(f"repeat {repeat + 1} {case} {system}: {measured}")
+        stack = ConveyorStack(
+            preprocessors=1,
+            env={},
+            use_scale=scale_supported(),
+            scale={"trainer": TRAINERS, "aggregator": SLICES},
+        )
+        stack.start()
+        try:
+            for case, (spec, target) in cases.items():
+                for system, job in (("sync", spec), ("local", local_spec(spec, args.window))):
+                    measured = run_job(stack, job, target, params[case])
+                    runs.setdefault((case, system), []).append(measured)
+                    ERR.log(f"repeat {repeat + 1} {case} {system}: {measured}")
+        finally:
+            stack.stop()
+    keys = ("samples_per_s", "time_to_accuracy_s", "final_accuracy", "bytes_per_sample")
+    figures = {
+        case: {
+            system: {key: median([r[key] for r in runs[(case, system)]]) for key in keys}
+            for system in SYSTEMS
+        }
+        for case in cases
+    }
+    for case, systems in figures.items():
+        print(f"{case} (target accuracy {cases[case][1]}, {params[case]} parameters):")
+        print(f"  {'system':8} {'samples/s':>10} {'t->acc s':>9} {'final acc':>9} {'B/sample':>10}")
+        for system, f in systems.items():
+            print(
+                f"  {system:8} {_fmt(f['samples_per_s'], '.0f'):>10} "
+                f"{_fmt(f['time_to_accuracy_s'], '.1f'):>9} {_fmt(f['final_accuracy'], '.3f'):>9} "
+                f"{_fmt(f['bytes_per_sample'], '.0f'):>10}"
+            )
+    print(json.dumps(result_json(figures)))
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Local mode's inner optimizer: the job's optimizer, run by each trainer on its own batches
+for ``sync_every_steps`` (H) steps between two outer steps (DiLoCo, Douillard et al. 2023).
+
+A window starts from the version the trainer loaded (``base``); each inner step divides the
+gradient accumulated over its micro-batches (of the SUM of per-sample losses) by their sample
+count and takes one optimizer step at the job's schedule; after the window the trainer sends
+``(base - local) * num_samples``, so that the slice owners' ``sum / StepClose.num_samples`` is
+the sample-weighted mean parameter delta, the outer optimizer's gradient.
+
+The optimizer state (momentum, Adam moments) stays with the trainer across windows, as in
+DiLoCo; a trainer that restarts starts it afresh (the trainers keep no state that a replacement
+needs, departure 5). Inner step ``i`` of the window on version ``v`` is schedule step
+``v * H + i``: with H steps of the global batch per version, the schedule counts steps as sync
+mode does. Blocking tensor work: call from the compute thread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from conveyor.training.jobspec import JobSpec
+from conveyor.training.optim import build_optimizer, lr_at, set_lr
+
+
+class InnerOptimizer:
+    """The job's optimizer over the trainer's working model; see the module docstring."""
+
+    def __init__(self, spec: JobSpec, model: nn.Module, *, train_batches_per_epoch: int) -> None:
+        window = spec.distribution.sync_every_steps
+        if window is None:
+            raise ValueError("an inner optimizer needs distribution.sync_every_steps (local mode)")
+        self.window = window
+        self._model = model
+        self._training = spec.training
+        self._optimizer = build_optimizer(spec.training.optimizer, model.parameters())
+        steps = spec.training.epochs * math.ceil(
+            train_batches_per_epoch / spec.micro_batches_per_step
+        )
+        max_versions = spec.training.max_steps
+        self.total_steps = steps if max_versions is None else min(steps, max_versions * window)
+        """Inner steps the schedule spans (``max_steps`` counts outer versions here)."""
+
+    def lr(self, version: int, index: int) -> float:
+        """Learning rate of inner step ``index`` (0-based) of the window on ``version``."""
+        training = self._training
+        step = version * self.window + index
+        return lr_at(training.lr_schedule, training.optimizer.lr, step, self.total_steps)
+
+    def step(self, num_samples: int, lr: float) -> None:
+        """One optimizer step on the gradient accumulated over ``num_samples`` samples (>= 1),
+        at ``lr``; clears the gradients."""
+        if num_samples < 1:
+            raise ValueError(f"an inner step needs samples, got {num_samples}")
+        for param in self._model.parameters():
+            if param.grad is not None:
+                param.grad.div_(num_samples)  # summed loss -> mean over the step's samples
+        set_lr(self._optimizer, lr)
+        self._optimizer.step()
+        self._model.zero_grad(set_to_none=True)
+
+
+def weighted_delta(base: torch.Tensor, local: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """fp32 [N]: ``(base - local) * num_samples``, a window's parameter delta weighted by its
+    samples (what a contribution sends in place of a summed gradient)."""
+    return (base - local) * float(num_samples)
