@@ -22,8 +22,8 @@ import pytest
 from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_for
 from ledger_check import assert_exactly_once
 
-from conveyor.cli.client import TERMINAL_STATES
-from conveyor.embedded.procs import is_alive
+from conveyor.cli.client import TERMINAL_STATES, GatewayError
+from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.state import ServiceInfo
 from conveyor.training.checkpoint import CheckpointStore
 
@@ -36,7 +36,8 @@ KEEP_LAST = 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     with running_stack(
-        tmp_path_factory.mktemp("checkpoints") / "state", args=["--scale", "aggregator=2"]
+        tmp_path_factory.mktemp("checkpoints") / "state",
+        args=["--scale", "aggregator=2", "--health-timeout-s", "180"],
     ) as running:
         yield running
 
@@ -106,3 +107,83 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["checkpoints"]
     assert (rows[0]["version"], rows[0]["state"], rows[0]["latest"]) == (final, "committed", True)
+
+
+def kill_everything(stack: RunningStack) -> None:
+    """SIGKILL every process of the stack, the broker (it held every topic in memory) and the
+    processes the tests added included."""
+    processes = [s.process for s in stack.state.services] + [
+        ProcessInfo.of(process.pid, stack.state_dir / "logs" / f"{name}.log")
+        for name, process in stack.extra
+        if process.poll() is None
+    ]
+    assert stack.state.broker is not None
+    processes.append(stack.state.broker)
+    for process in processes:
+        if is_alive(process):
+            os.kill(process.pid, signal.SIGKILL)
+    for process in processes:
+        wait_for(lambda p=process: not is_alive(p), timeout_s=10, what=f"pid {process.pid} gone")
+
+
+def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exactly_once(
+    stack: RunningStack,
+) -> None:
+    """Resume through the API, then the whole stack killed and started again: the job comes
+    back by itself. One job for both (suite time): what must hold at the end is what an
+    uninterrupted run gives, the step count and each train sample once per epoch."""
+    epochs = 2
+    job_id = stack.submit(
+        digits_spec("resume", epochs=epochs, checkpoint={"every_steps": 5, "keep_last": 3})
+    )
+    with pytest.raises(GatewayError) as running:
+        stack.gateway.resume(job_id)
+    assert running.value.status_code == 409 and "only a failed or cancelled" in str(running.value)
+    checkpoints = CheckpointStore(stack.store(), job_id)
+    # Cancelled in its second epoch (23 steps an epoch), after a checkpoint there.
+    wait_for(lambda: max(checkpoints.committed_versions(), default=0) >= 25, timeout_s=120,
+             what="a checkpoint in the second epoch")  # fmt: skip
+    stack.gateway.cancel(job_id)
+    assert stack.wait_job(job_id)["state"] == "cancelled"
+
+    gateway = str(stack.state.gateway_url)
+    resumed = conveyor("resume", job_id, "--gateway", gateway, env=stack.env)
+    assert resumed.returncode == 0, resumed.stderr
+    found = re.fullmatch(rf"job {job_id} resumed from checkpoint v(\d+)\n", resumed.stdout)
+    assert found is not None, resumed.stdout
+    version = int(found[1])
+    assert version >= 25, version  # the newest usable one
+    wait_for(lambda: max(checkpoints.committed_versions()) >= version + 5, timeout_s=120,
+             what="a checkpoint of the resumed run")  # fmt: skip
+
+    kill_everything(stack)
+    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json", "--scale", "aggregator=2",
+                  "--health-timeout-s", "180", env=stack.env)  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    again = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+    try:
+        wait_for(lambda: job_id in {j["id"] for j in again.gateway.jobs(limit=10)},
+                 timeout_s=60, what="the job to come back by itself")  # fmt: skip
+        job = again.wait_job(job_id, timeout_s=180)
+        assert job["state"] == "completed", job.get("reason")
+        assert job["resumed_from"] >= version + 5, (job["resumed_from"], version)
+        summary = job["summary"]
+        assert summary["steps"] == job["plan"]["steps_per_epoch"] * epochs, summary
+        assert summary["epochs"] == epochs
+        assert_exactly_once(again.ledger(job_id), again.train_ids(job), epochs=epochs)
+
+        with pytest.raises(GatewayError) as completed:
+            again.gateway.resume(job_id)
+        assert completed.value.status_code == 409
+        with pytest.raises(GatewayError) as unknown:
+            again.gateway.resume("no-such-job")
+        assert unknown.value.status_code == 404
+        failed = again.submit(digits_spec("resume-nothing", dataset={"uri": "builtin://nope"}))
+        assert again.wait_job(failed)["state"] == "failed"
+        with pytest.raises(GatewayError) as nothing:
+            again.gateway.resume(failed)
+        assert nothing.value.status_code == 409 and "no checkpoint" in str(nothing.value)
+        wait_for(lambda: not again.store().list("registry/jobs/"), timeout_s=10,
+                 what="the registry to forget the ended jobs")  # fmt: skip
+    finally:
+        again.gateway.close()

@@ -227,20 +227,21 @@ def test_decode_runs_the_schema_checks() -> None:
         decode(raw_message(header, bytes(72)))
 
 
-def test_shard_task_v2_routing_is_checked_and_v1_is_refused() -> None:
+def test_shard_task_v3_routing_is_checked_and_v1_is_refused() -> None:
     header = {
-        "v": 2, "type": "ShardTask", "job_id": "j", "shard_id": "s", "epoch": 0, "index": 0,
+        "v": 3, "type": "ShardTask", "job_id": "j", "shard_id": "s", "epoch": 0, "index": 0,
         "split": "train", "dataset_uri": "builtin://x", "sample_ids": [1], "micro_batch_size": 1,
-        "seed": 0, "preprocess": {}, "released_at": 0.0, "routing": [1, 0.5],
+        "seed": 0, "preprocess": {}, "released_at": 0.0, "routing": [1, 0.5], "incarnation": 1,
     }  # fmt: skip
     decoded = decode(packed(header))
     assert isinstance(decoded, ShardTask) and decoded.routing == [1, 0.5]
+    assert decoded.incarnation == 1
     with pytest.raises(MalformedMessage, match="routing"):
         decode(packed({**header, "routing": [1, "0.5"]}))
     with pytest.raises(MalformedMessage, match="routing weights"):
         decode(packed({**header, "routing": [0.0, -1.0]}))
     v1 = {k: v for k, v in header.items() if k != "routing"} | {"v": 1}
-    with pytest.raises(UnsupportedVersion, match="ShardTask version 1, supported: 2"):
+    with pytest.raises(UnsupportedVersion, match="ShardTask version 1, supported: 3"):
         decode(packed(v1))
 
 

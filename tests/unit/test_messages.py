@@ -42,9 +42,10 @@ def test_schemas_are_registered_with_name_and_version() -> None:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
-    # ShardTask v2: + routing; Contribution v2: + epoch, sample_ids; v3: + inner_steps
+    # ShardTask v2: + routing; v3: + incarnation. Contribution v2: + epoch, sample_ids;
+    # v3: + inner_steps
     assert versions == {
-        "DeadLetter": 1, "ShardTask": 2, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
+        "DeadLetter": 1, "ShardTask": 3, "Batch": 1, "Heartbeat": 2, "JobSubmitted": 1,
         "JobPlanned": 1, "JobFailed": 1, "Contribution": 3,
     }  # fmt: skip
 

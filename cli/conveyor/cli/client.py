@@ -98,6 +98,11 @@ class GatewayClient:
         """Ask for a checkpoint at the job's next step; returns the job."""
         return self._json(self._request("POST", f"/v1/jobs/{job_id}/checkpoints"))
 
+    def resume(self, job_id: str) -> dict[str, Any]:
+        """Restart a failed or cancelled job from its newest usable checkpoint; returns the
+        job (``resumed_from``: the checkpoint's version)."""
+        return self._json(self._request("POST", f"/v1/jobs/{job_id}/resume"))
+
     def model_file(self, job_id: str, name: str) -> bytes:
         """One file of the job's exported model (``model.safetensors``, ``config.json``)."""
         response = self._request("GET", f"/v1/jobs/{job_id}/model/{name}")

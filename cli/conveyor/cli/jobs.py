@@ -1,4 +1,5 @@
-"""Job commands of the ``conveyor`` command line: run, submit, job status, cancel, dataset pack.
+"""Job commands of the ``conveyor`` command line: run, submit, job status, cancel, dataset pack
+(checkpoints, resume and model pull: :mod:`.checkpoints`).
 
 ``conveyor run SPEC`` uses the stack recorded in the state directory when it is healthy, or
 starts one (and stops it again at the end unless ``--keep-stack``), submits the job, follows it
@@ -256,7 +257,7 @@ def register(app: typer.Typer) -> None:
             _fail(str(exc))
         summary = summary_of(job)
         if as_json:
-            print(_dumps(summary))
+            print(dumps(summary))
         else:
             print_summary(summary)
         raise typer.Exit(0 if job["state"] == "completed" else 1)
@@ -298,7 +299,7 @@ def register(app: typer.Typer) -> None:
                 )
         except ConveyorError as exc:
             _fail(str(exc))
-        print(_dumps(found))
+        print(dumps(found))
         if found["state"] in TERMINAL_STATES and found["state"] != "completed":
             raise typer.Exit(1)
 
@@ -321,7 +322,7 @@ def register(app: typer.Typer) -> None:
         except ConveyorError as exc:
             _fail(str(exc))
         if as_json:
-            print(_dumps({"jobs": found, "count": len(found)}))
+            print(dumps({"jobs": found, "count": len(found)}))
             return
         table = Table("id", "name", "state", "trainers", "epoch", "step", "loss", "submitted")
         for job in found:
@@ -355,71 +356,6 @@ def register(app: typer.Typer) -> None:
         except ConveyorError as exc:
             _fail(str(exc))
         print(f"cancellation of job {job_id} requested")
-
-    @app.command()
-    def checkpoints(
-        job_id: Annotated[str, typer.Argument(help="Job id.")],
-        state_dir: StateDir = DEFAULT_STATE_DIR,
-        gateway: GatewayOption = None,
-        token: TokenOption = None,
-        take: Annotated[
-            bool, typer.Option("--take", help="Ask for a checkpoint at the next step first.")
-        ] = False,
-        as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
-    ) -> None:
-        """List a job's checkpoints, newest first (committed, or incomplete: being written or
-        torn, never loaded)."""
-        try:
-            with gateway_for(state_dir, gateway, token, start=False) as client:
-                if take:
-                    client.request_checkpoint(job_id)
-                    Console(stderr=True).print(f"checkpoint of job {job_id} requested")
-                listing = client.checkpoints(job_id)
-        except ConveyorError as exc:
-            _fail(str(exc))
-        if as_json:
-            print(_dumps(listing))
-            return
-        table = Table("version", "step", "state", "trigger", "size", "created", "uri")
-        for row in listing["checkpoints"]:
-            created = row["created_at"]
-            table.add_row(
-                f"{row['version']}{' (latest)' if row['latest'] else ''}",
-                "" if row["step"] is None else str(row["step"]),
-                row["state"],
-                row["trigger"] or "",
-                f"{row['size_bytes'] / 1e6:.2f} MB" if row["size_bytes"] else "",
-                ""
-                if created is None
-                else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)),
-                row["uri"],
-            )
-        Console().print(table)
-
-    model = typer.Typer(help="The model a job exported.", no_args_is_help=True)
-    app.add_typer(model, name="model")
-
-    @model.command("pull")
-    def pull(
-        job_id: Annotated[str, typer.Argument(help="Job id (a completed job).")],
-        directory: Annotated[Path, typer.Argument(help="Directory to write the files into.")],
-        state_dir: StateDir = DEFAULT_STATE_DIR,
-        gateway: GatewayOption = None,
-        token: TokenOption = None,
-    ) -> None:
-        """Download the exported model (model.safetensors + config.json) into DIRECTORY; load
-        it with ``conveyor.training.exported.load_model(DIRECTORY)``."""
-        from conveyor.training.exported import MODEL_FILES
-
-        try:
-            with gateway_for(state_dir, gateway, token, start=False) as client:
-                files = {name: client.model_file(job_id, name) for name in MODEL_FILES}
-        except ConveyorError as exc:
-            _fail(str(exc))
-        directory.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (directory / name).write_bytes(data)
-        print(directory)
 
     dataset = typer.Typer(help="Dataset tools.", no_args_is_help=True)
     app.add_typer(dataset, name="dataset")
@@ -482,7 +418,7 @@ def register(app: typer.Typer) -> None:
         print(result.uri)
 
 
-def _dumps(data: dict[str, Any]) -> str:
+def dumps(data: dict[str, Any]) -> str:
     import json
 
     return json.dumps(data, sort_keys=True, default=str)

@@ -18,6 +18,7 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
+from conveyor.cli import checkpoints as cli_checkpoints
 from conveyor.cli import jobs as cli_jobs
 from conveyor.cli import report as cli_report
 from conveyor.cli.options import DEFAULT_STATE_DIR, JsonFlag, StateDir, err, fail, out
@@ -322,6 +323,7 @@ def service(
 
 
 cli_jobs.register(app)
+cli_checkpoints.register(app)
 cli_report.register(app)
 
 

@@ -90,10 +90,12 @@ class JobHostService(Service, Generic[Prepared]):
         self._reader: JobLogReader | None = None
         self._producer: Producer | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._finished: set[str] = set()
+        self._finished: set[tuple[str, int]] = set()
+        """(job id, incarnation) of the work done: a resumed job is taken again."""
         self._changed = asyncio.Event()
         """Set on every applied event and finished task: wakes the reconcile loop."""
         self._waiters: set[asyncio.Event] = set()
+        self._view_ready = asyncio.Event()
 
     # -- what subclasses provide ---------------------------------------------------------
 
@@ -140,6 +142,10 @@ class JobHostService(Service, Generic[Prepared]):
     def readiness(self) -> bool:
         return super().readiness() and self._reader is not None and self._reader.ready
 
+    async def view_ready(self) -> None:
+        """Wait until the view holds the jobs topic as it was at start (background work)."""
+        await self._view_ready.wait()
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -161,6 +167,7 @@ class JobHostService(Service, Generic[Prepared]):
                     group.create_task(work)
                 self._reader = reader
                 await reader.wait_ready()
+                self._view_ready.set()
                 while True:
                     self._changed.clear()
                     await self._reconcile()
@@ -199,7 +206,7 @@ class JobHostService(Service, Generic[Prepared]):
         for job in reversed(self.view.list(limit=len(self.view) or 1)):  # oldest first
             if self.max_jobs is not None and len(self._tasks) >= self.max_jobs:
                 break
-            taken = job.job_id in self._tasks or job.job_id in self._finished
+            taken = job.job_id in self._tasks or (job.job_id, job.incarnation) in self._finished
             if not taken and self._keeps(job) and not self.stopping:
                 task = asyncio.create_task(self._host(job), name=f"{self.name}.job.{job.job_id}")
                 task.add_done_callback(lambda _: self._wake())
@@ -221,7 +228,7 @@ class JobHostService(Service, Generic[Prepared]):
                 job_id=job_id, reason="cancel requested", worker_id=self.worker_id
             ))  # fmt: skip
         if job.cancel_requested or job.terminal:
-            self._finished.add(job_id)
+            self._finished.add((job_id, job.incarnation))
             logger.info("left job %s: %s", job_id, job.state)
 
     async def _host(self, job: JobView) -> None:
@@ -248,7 +255,7 @@ class JobHostService(Service, Generic[Prepared]):
             await self._publish(
                 JobFailed(job_id=job.job_id, reason=str(exc), worker_id=self.worker_id)
             )
-        self._finished.add(job.job_id)
+        self._finished.add((job.job_id, job.incarnation))
 
     def _wake(self) -> None:
         self._changed.set()
@@ -273,7 +280,8 @@ class JobHostService(Service, Generic[Prepared]):
     async def _publish(self, event: JobFailed | JobCancelled) -> None:
         logger.warning("job %s %s: %s", event.job_id, event.EVENT, event.reason)
         await self.producer.publish(self.topics.jobs, event, key=event.job_id)
-        self._finished.add(event.job_id)
+        job = self.view.get(event.job_id)
+        self._finished.add((event.job_id, job.incarnation if job is not None else 0))
 
     async def _stop_jobs(self) -> None:
         tasks = list(self._tasks.values())

@@ -15,6 +15,11 @@ Fold rules (the view dispatches on the event's type):
 - States only move forward: pending -> planned -> running -> completed | failed | cancelled.
   A progress event implies running. Terminal states are final: later events are ignored.
 - Events for a job never submitted are ignored.
+- :class:`JobResumed` revives a failed or cancelled job under its id: ``pending`` again, the
+  cancel request, reason, plan, summary and trainer reports cleared (epoch results and the
+  coordinator's totals kept); ``incarnation`` (the event's) counts the resumes. A job it names
+  that the view does not know is created from its spec (a resume after the jobs topic was
+  lost); one that is not terminal ignores it.
 - :class:`TrainerProgress` counters are each trainer's own; the view keeps the latest report
   per worker and sums counters and rates over workers (step and epoch: the maximum). Once a
   :class:`CoordinatorProgress` (the job's own totals, from the aggregator that closes its
@@ -50,6 +55,7 @@ from conveyor.platform.messages import (
     JobEvent,
     JobFailed,
     JobPlanned,
+    JobResumed,
     JobSubmitted,
     Message,
     TrainerJoined,
@@ -125,6 +131,10 @@ class JobView:
     stage_samples_s: dict[str, deque[float]] = field(default_factory=dict)
     demand: Demand | None = None
     """What it asks of the trainer pool (from its spec)."""
+    incarnation: int = 0
+    """Resumes so far (0: never resumed); hosts take a job again in each incarnation."""
+    resumed_from: int | None = None
+    """The checkpoint version of the latest resume."""
 
     @property
     def terminal(self) -> bool:
@@ -240,12 +250,30 @@ class JobsView:
         self.pool.observe(event.at)
         if isinstance(event, JobSubmitted):
             return self._submit(event)
+        if isinstance(event, JobResumed):
+            return self._resume(event)
         job = self._jobs.get(event.job_id)
         if job is None or job.terminal:
             return None
         if not _apply(job, event):
             return None
         job.seq += 1
+        job.updated_at = max(job.updated_at, event.at)
+        return job
+
+    def _resume(self, event: JobResumed) -> JobView | None:
+        job = self._jobs.get(event.job_id)
+        if job is None:
+            job = self._submit(JobSubmitted(job_id=event.job_id, spec=event.spec, at=event.at))
+            assert job is not None
+        elif not job.terminal:
+            return None
+        else:
+            job.seq += 1
+        job.state, job.cancel_requested, job.reason = "pending", False, None
+        job.plan, job.summary, job.workers = None, None, {}
+        job.incarnation = event.incarnation
+        job.resumed_from = event.checkpoint_version
         job.updated_at = max(job.updated_at, event.at)
         return job
 

@@ -37,7 +37,7 @@ class DeadLetter(Message):
     """When it failed, unix time in seconds."""
 
 
-@message("ShardTask", version=2)
+@message("ShardTask", version=3)
 @dataclass(kw_only=True, slots=True)
 class ShardTask(Message):
     """Work for one preprocessor on ``Topics.shards``: turn a shard's samples into batches."""
@@ -69,6 +69,9 @@ class ShardTask(Message):
     """One weight per partition of the job's batches topic (>= 0, positive sum): each batch
     goes to the partition :func:`conveyor.training.routing.choose_partition` picks from its id.
     Empty: unweighted (the key's hash picks). Added in version 2."""
+    incarnation: int = 0
+    """The job's incarnation (resumes so far): its batches go to that run's batches topic.
+    Added in version 3."""
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:

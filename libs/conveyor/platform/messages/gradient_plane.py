@@ -277,3 +277,57 @@ class SliceSaved(Message):
     """Lowest grads-partition offset versions after this one may need (replay start)."""
     error: str | None = None
     """Why the write failed (the checkpoint of this version cannot be committed)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EndedEpoch(Record):
+    """An epoch whose train batches were all applied at or before a :class:`ResumePoint`."""
+
+    epoch: int
+    """The epoch."""
+    version: int
+    """The version that applied its last train batch."""
+    evaluated: bool
+    """Its eval batches were all covered (its result is known); False only for an epoch that
+    ended at the resume point's version itself: the trainers evaluate it on those
+    parameters."""
+
+    def __post_init__(self) -> None:
+        if self.epoch < 0 or self.version < 1:
+            raise ValueError(f"epoch must be >= 0 and version >= 1, got {self.epoch}, "
+                             f"{self.version}")  # fmt: skip
+
+
+@message("ResumePoint", version=1)
+@dataclass(kw_only=True, slots=True)
+class ResumePoint(Message):
+    """Where a resumed job starts: the first record of its (new) control topic, written
+    by the sharder from checkpoint ``version``. Everyone who folds the control log starts
+    from it instead of version 0: the coordinator (which also loads its own state, the ledger
+    included, from the checkpoint), the slice owners (their slices from the checkpoint's
+    files), the trainers and the checkpointer."""
+
+    job_id: str
+    """Id of the job."""
+    version: int
+    """The checkpoint's parameter version: the first StepClose after it is ``version + 1``."""
+    steps: int
+    """Optimizer steps with samples up to ``version``."""
+    samples_trained: int
+    """Train samples applied up to ``version``, over all epochs."""
+    ended_epochs: list[EndedEpoch]
+    """Every epoch ended at or before ``version``, by epoch."""
+    applied_batches: list[str]
+    """Train batches of the epochs not ended that ``version`` includes (a trainer skips their
+    redeliveries)."""
+
+    def __post_init__(self) -> None:
+        if self.version < 1 or self.steps < 0 or self.samples_trained < 0:
+            raise ValueError(
+                f"ResumePoint needs version >= 1, steps and samples >= 0, got {self.version}, "
+                f"{self.steps}, {self.samples_trained}"
+            )
+        if [e.epoch for e in self.ended_epochs] != list(range(len(self.ended_epochs))):
+            raise ValueError("ResumePoint.ended_epochs lists epochs 0..E-1 in order")
+        if any(not e.evaluated and e.version != self.version for e in self.ended_epochs):
+            raise ValueError("only an epoch that ended at the resume version may lack its eval")

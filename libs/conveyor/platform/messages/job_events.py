@@ -306,6 +306,33 @@ class JobCancelled(JobEvent):
     """The process that stopped it, when it has a worker id."""
 
 
+@message("JobResumed", version=1)
+@dataclass(kw_only=True, slots=True)
+class JobResumed(JobEvent):
+    """The job starts again from checkpoint ``checkpoint_version`` under the same id: a failed
+    or cancelled job resumed through the API, or a job the jobs topic lost brought back by the
+    checkpointer. The job view revives an ended job (``pending`` again, planned anew); the
+    sharder creates the topics of the new incarnation and writes a :class:`ResumePoint` first
+    on its control topic. A resume of a job that has not ended is ignored."""
+
+    EVENT: ClassVar[str] = "resumed"
+
+    spec: dict[str, Any]
+    """The job spec (JSON form), so that a sharder that forgot the ended job can plan it."""
+    checkpoint_version: int
+    """The checkpoint it starts from (a committed, good, usable one when it was chosen)."""
+    incarnation: int
+    """Resumes of the job including this one (>= 1): the job's topics and consumer groups of
+    this run are named apart from earlier runs' (``Topics``, ``incarnation``)."""
+    reason: str
+    """Why, for people (``resumed through the API``)."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_version < 1 or self.incarnation < 1:
+            raise ValueError(f"checkpoint_version and incarnation must be >= 1, got "
+                             f"{self.checkpoint_version}, {self.incarnation}")  # fmt: skip
+
+
 @message("CheckpointCommitted", version=1)
 @dataclass(kw_only=True, slots=True)
 class CheckpointCommitted(JobEvent):

@@ -44,8 +44,11 @@ class TopicSpec:
 class Topics:
     """Kafka topic names under one prefix (``KafkaSettings.topic_prefix``, e.g. ``"conveyor."``).
 
-    Per-job names are ``<prefix>job.<job_id>.<kind>``. Raises ValueError for a prefix or job id
-    with characters Kafka does not allow in topic names (job ids may not contain dots).
+    Per-job names are ``<prefix>job.<job_id>.<kind>``; a resumed job's incarnation ``n >= 1``
+    gets fresh ones, ``<prefix>job.<job_id>.r<n>.<kind>`` (and groups), so that nothing an
+    earlier incarnation left (a late writer, committed offsets) can reach it. Raises
+    ValueError for a prefix or job id with characters Kafka does not allow in topic names (job
+    ids may not contain dots).
 
     Also the topic layout (:meth:`global_topics`, :meth:`job_topic_specs`: what the sharder,
     the one owner of the topics, creates; every other service waits for them) and the consumer
@@ -82,29 +85,29 @@ class Topics:
         """Records that failed to decode or validate (:class:`DeadLetter`)."""
         return f"{self.prefix}dlq"
 
-    def batches(self, job_id: str) -> str:
+    def batches(self, job_id: str, *, incarnation: int = 0) -> str:
         """Ready batches (:class:`Batch`) of one job, key = batch id."""
-        return self._job(job_id, "batches")
+        return self._job(job_id, "batches", incarnation)
 
-    def grads(self, job_id: str) -> str:
+    def grads(self, job_id: str, *, incarnation: int = 0) -> str:
         """Gradient slices of one job; partition = slice."""
-        return self._job(job_id, "grads")
+        return self._job(job_id, "grads", incarnation)
 
-    def params(self, job_id: str) -> str:
+    def params(self, job_id: str, *, incarnation: int = 0) -> str:
         """Parameter slices per version of one job; partition = slice."""
-        return self._job(job_id, "params")
+        return self._job(job_id, "params", incarnation)
 
-    def control(self, job_id: str) -> str:
+    def control(self, job_id: str, *, incarnation: int = 0) -> str:
         """Membership, heartbeats, step plans, checkpoint protocol, eval results of one job."""
-        return self._job(job_id, "control")
+        return self._job(job_id, "control", incarnation)
 
-    def job_topics(self, job_id: str) -> tuple[str, ...]:
+    def job_topics(self, job_id: str, *, incarnation: int = 0) -> tuple[str, ...]:
         """Every per-job topic, created when the job is accepted and deleted when it ends."""
         return (
-            self.batches(job_id),
-            self.grads(job_id),
-            self.params(job_id),
-            self.control(job_id),
+            self.batches(job_id, incarnation=incarnation),
+            self.grads(job_id, incarnation=incarnation),
+            self.params(job_id, incarnation=incarnation),
+            self.control(job_id, incarnation=incarnation),
         )
 
     def global_topics(
@@ -121,16 +124,17 @@ class Topics:
         )
 
     def job_topic_specs(
-        self, job_id: str, *, batches_partitions: int, slices: int
+        self, job_id: str, *, batches_partitions: int, slices: int, incarnation: int = 0
     ) -> tuple[TopicSpec, ...]:
         """The topics of one job (:meth:`job_topics`), created by the sharder when it plans the
         job: ``batches_partitions`` for its batches, one partition per parameter slice for its
         grads and params (partition p = slice p), one for its control log."""
+        n = incarnation
         return (
-            TopicSpec(self.batches(job_id), partitions=batches_partitions),
-            TopicSpec(self.control(job_id), partitions=CONTROL_PARTITIONS),
-            TopicSpec(self.grads(job_id), partitions=slices),
-            TopicSpec(self.params(job_id), partitions=slices),
+            TopicSpec(self.batches(job_id, incarnation=n), partitions=batches_partitions),
+            TopicSpec(self.control(job_id, incarnation=n), partitions=CONTROL_PARTITIONS),
+            TopicSpec(self.grads(job_id, incarnation=n), partitions=slices),
+            TopicSpec(self.params(job_id, incarnation=n), partitions=slices),
         )
 
     @property
@@ -144,22 +148,30 @@ class Topics:
         """Consumer group of the preprocessor pool on the shards topic."""
         return self._group("preprocessors")
 
-    def trainer_group(self, job_id: str) -> str:
+    def trainer_group(self, job_id: str, *, incarnation: int = 0) -> str:
         """Consumer group of a job's trainers on its batches topic."""
-        return self._group(f"trainer.{job_id}")
+        return self._group(f"trainer.{job_id}{_suffix(incarnation)}")
 
-    def aggregator_group(self, job_id: str) -> str:
+    def aggregator_group(self, job_id: str, *, incarnation: int = 0) -> str:
         """Consumer group of a job's aggregators on its grads topic: the assignment of the grads
         partitions is the ownership of the parameter slices."""
-        return self._group(f"aggregator.{job_id}")
+        return self._group(f"aggregator.{job_id}{_suffix(incarnation)}")
 
     def _group(self, role: str) -> str:
         return f"{self.prefix.rstrip('.') or 'conveyor'}-{role}"
 
-    def _job(self, job_id: str, kind: str) -> str:
+    def _job(self, job_id: str, kind: str, incarnation: int) -> str:
         if not _JOB_ID_RE.fullmatch(job_id):
             raise ValueError(f"invalid job id {job_id!r} for a topic name: use [A-Za-z0-9_-]")
-        return f"{self.prefix}job.{job_id}.{kind}"
+        return f"{self.prefix}job.{job_id}{_suffix(incarnation)}.{kind}"
+
+
+def _suffix(incarnation: int) -> str:
+    """What names a resumed job's topics and groups apart from its earlier incarnations'
+    (none for the first: ``job.<id>.control``, then ``job.<id>.r1.control``, ...)."""
+    if incarnation < 0:
+        raise ValueError(f"incarnation must be >= 0, got {incarnation}")
+    return f".r{incarnation}" if incarnation else ""
 
 
 def shard_id_for(job_id: str, epoch: int, split: str, index: int) -> str:

@@ -1,5 +1,6 @@
 """Checkpoints of a job's training state in an object store: slice files, the manifest that
-commits them, retention, verified loading with fallback (:mod:`.store`, :mod:`.manifest`)."""
+commits them, retention, verified loading with fallback (:mod:`.store`, :mod:`.manifest`), and
+the job progress a resume starts from (:mod:`.progress`, :mod:`.resume`)."""
 
 from conveyor.training.checkpoint.manifest import (
     MANIFEST_FORMAT,
@@ -12,6 +13,8 @@ from conveyor.training.checkpoint.manifest import (
     manifest_key,
     slice_key,
 )
+from conveyor.training.checkpoint.progress import EpochOutcome, JobProgress
+from conveyor.training.checkpoint.resume import read_progress, resume_point
 from conveyor.training.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -29,6 +32,8 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointStore",
     "DataCursor",
+    "EpochOutcome",
+    "JobProgress",
     "Manifest",
     "Skipped",
     "SliceFile",
@@ -38,5 +43,7 @@ __all__ = [
     "encode_slice",
     "latest_key",
     "manifest_key",
+    "read_progress",
+    "resume_point",
     "slice_key",
 ]

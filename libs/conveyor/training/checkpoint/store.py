@@ -35,6 +35,12 @@ from conveyor.training.checkpoint.manifest import (
     slice_key,
     version_of,
 )
+from conveyor.training.checkpoint.progress import (
+    LEDGER_COUNTS_TENSOR,
+    LEDGER_EPOCHS_TENSOR,
+    PROGRESS_METADATA_KEY,
+    JobProgress,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,8 @@ class SliceState:
     state_tensors`)."""
     grads_offset: int
     """See :attr:`~conveyor.training.checkpoint.manifest.SliceFile.grads_offset`."""
+    progress: JobProgress | None = None
+    """The job's progress at ``version`` (:mod:`.progress`): in slice 0's file only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +112,18 @@ def encode_slice(job_id: str, state: SliceState) -> memoryview:
     tensors = {"values": state.values.detach().to(torch.float32)}
     for name, value in state.optimizer.items():
         tensors[_OPTIMIZER_PREFIX + name] = value.detach()
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {
-        "__metadata__": {
-            "format": SLICE_FORMAT,
-            "job_id": job_id,
-            "version": str(state.version),
-            "slice_index": str(state.slice_index),
-            "grads_offset": str(state.grads_offset),
-        }
+    metadata = {
+        "format": SLICE_FORMAT,
+        "job_id": job_id,
+        "version": str(state.version),
+        "slice_index": str(state.slice_index),
+        "grads_offset": str(state.grads_offset),
     }
+    if state.progress is not None:
+        metadata[PROGRESS_METADATA_KEY], progress_tensors = state.progress.to_file_parts()
+        tensors.update(progress_tensors)
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": metadata}
     data_bytes = 0
     for name in order:
         tensor = tensors[name]
@@ -161,12 +171,18 @@ def decode_slice(
     before changing it in place (a slice owner copies what it loads)."""
     try:
         metadata, tensors = _parse_safetensors(memoryview(data))
+        progress = None
+        if PROGRESS_METADATA_KEY in metadata:
+            progress = JobProgress.from_file_parts(metadata[PROGRESS_METADATA_KEY], {
+                name: tensors.pop(name) for name in (LEDGER_EPOCHS_TENSOR, LEDGER_COUNTS_TENSOR)
+            })  # fmt: skip
         state = SliceState(
             slice_index=int(metadata["slice_index"]),
             version=int(metadata["version"]),
             values=tensors.pop("values"),
             optimizer={k.removeprefix(_OPTIMIZER_PREFIX): v for k, v in tensors.items()},
             grads_offset=int(metadata["grads_offset"]),
+            progress=progress,
         )
     except (KeyError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ValueError(f"not a slice state file: {exc}") from exc

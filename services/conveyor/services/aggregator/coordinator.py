@@ -41,6 +41,10 @@ the rejection) still counts: rejected contributions are kept while a close may a
 Decisions reject a contribution whose sample ids are outside the dataset or whose batch ids
 are not all of its epoch ("invalid sample ids", "invalid batch ids").
 
+Checkpoints: a checkpointed StepClose snapshots the job's progress (ledger included) for slice
+0's file (:attr:`Coordinator.progress_at`); a resumed job's fold starts from it
+(:meth:`Coordinator.resume`).
+
 The learning-rate schedule's step: sync counts non-empty steps; ssp counts applied train
 batches / micro_batches_per_step (an ssp step holds one trainer's share). ``max_steps`` caps
 the version (what every trainer sees in the StepCloses, so all stop at the same point).
@@ -60,11 +64,13 @@ from conveyor.platform.messages import (
     Heartbeat,
     Message,
     Rejection,
+    ResumePoint,
     SliceSaved,
     StepClose,
 )
 from conveyor.services.aggregator.epochs import EpochBook
 from conveyor.services.aggregator.membership import Membership, allocate
+from conveyor.training.checkpoint import JobProgress
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.ledger import Ledger
 from conveyor.training.optim import aggregator_optimizer, lr_at, staleness_momentum
@@ -162,6 +168,12 @@ class Coordinator:
         """Reason of a CheckpointRequest folded since the last checkpointed StepClose."""
         self.saved: dict[int, dict[int, SliceSaved]] = {}
         """Checkpointed version -> slice -> its SliceSaved (the first one of each slice)."""
+        self.progress_at: dict[int, JobProgress] = {}
+        """Checkpointed versions whose slice 0 is not announced yet -> the progress then."""
+        self.resumed_from: int | None = None
+        """The checkpoint version a resumed job started from (None: not resumed)."""
+        self.samples_before_resume = 0
+        """Samples trained before the resume (left out of this run's throughput)."""
 
     # -- folding the log -------------------------------------------------------------------
 
@@ -187,6 +199,8 @@ class Coordinator:
             self._requested_checkpoint = message.reason
         elif isinstance(message, SliceSaved):
             self.saved.setdefault(message.version, {}).setdefault(message.slice_index, message)
+            if message.slice_index == 0:
+                self.progress_at.pop(message.version, None)
 
     def _fold_contribution(self, contribution: Contribution) -> None:
         self.members.seen(contribution.worker_id, contribution.sent_at)
@@ -227,8 +241,6 @@ class Coordinator:
                     self.config.job_id, close.version, contribution_id,
                 )  # fmt: skip
             self.max_staleness = max(self.max_staleness, entry.staleness)
-        if close.checkpoint is not None:
-            self._requested_checkpoint = None
         self._applied_batches.update(close.batch_ids)
         self.epochs.applied(close.batch_ids, close.version)
         if close.num_samples > 0:
@@ -237,9 +249,36 @@ class Coordinator:
             self.last_loss = loss_sum / close.num_samples
             self.epochs.train_loss(close.epoch, loss_sum, close.num_samples)
         self.last_closed_at = close.closed_at
+        if close.checkpoint is not None:
+            self._requested_checkpoint = None
+            self.progress_at[close.version] = self.progress()
         # A later close only takes contributions within the staleness bound of its base.
         oldest = self.version - self.staleness_bound
         self._rejected = {cid: c for cid, c in self._rejected.items() if c.base_version >= oldest}
+
+    def resume(self, point: ResumePoint, progress: JobProgress) -> None:
+        """Start a resumed job's fold from its ``ResumePoint`` (its control log's first record)
+        and the named checkpoint's progress. ValueError when the fold has begun or they
+        disagree."""
+        if self.version != 0 or self.closes or progress.version != point.version:
+            raise ValueError(
+                f"job {self.config.job_id}: cannot resume at v{point.version} (fold at "
+                f"v{self.version}, checkpoint progress at v{progress.version})"
+            )
+        self.version = self.resumed_from = point.version
+        self.steps = progress.steps
+        self.samples_trained = self.samples_before_resume = progress.samples_trained
+        self.epochs.resume(progress.ended, progress.train_loss, progress.applied_batches)
+        self._applied_batches.update(progress.applied_batches)
+        self.ledger = progress.ledger
+
+    def progress(self) -> JobProgress:
+        """The job's progress at the current version (a copy)."""
+        ended, train_loss, applied = self.epochs.outcomes()
+        return JobProgress(version=self.version, steps=self.steps,
+                           samples_trained=self.samples_trained, ended=ended,
+                           train_loss=train_loss, applied_batches=applied,
+                           ledger=Ledger.from_arrays(self.ledger.to_arrays()))  # fmt: skip
 
     # -- derived state ---------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ async def final_params(
 ) -> torch.Tensor:
     """fp32 [N]: the last ParamSlice of every partition of the job's params topic, once each
     is at ``version`` or later. Raises ``TimeoutError`` after ``timeout_s``."""
-    topic = Topics(kafka.topic_prefix).params(ctx.job_id)
+    topic = Topics(kafka.topic_prefix).params(ctx.job_id, incarnation=ctx.incarnation)
     async with asyncio.timeout(timeout_s):
         while True:
             last = await last_param_slices(kafka, topic)
@@ -70,6 +70,7 @@ def summarise(coordinator: Coordinator, model_uri: str) -> dict[str, Any]:
     started, ended = coordinator.first_sent_at, coordinator.last_closed_at
     elapsed_s = (ended - started) if started is not None and ended is not None else 0.0
     steps = coordinator.steps
+    run_samples = coordinator.samples_trained - coordinator.samples_before_resume  # this run's
     return build_summary(
         job_id=coordinator.config.job_id,
         epochs=len(coordinator.epochs.end_version),
@@ -77,7 +78,7 @@ def summarise(coordinator: Coordinator, model_uri: str) -> dict[str, Any]:
         samples=coordinator.samples_trained,
         eval_accuracy=last.eval_accuracy if last else None,
         eval_loss=last.eval_loss if last else None,
-        samples_per_second=coordinator.samples_trained / elapsed_s if elapsed_s > 0 else 0.0,
+        samples_per_second=run_samples / elapsed_s if elapsed_s > 0 else 0.0,
         data_wait_ratio=coordinator.members.data_wait_ratio(),
         checkpoint=model_uri,
         versions=coordinator.version,

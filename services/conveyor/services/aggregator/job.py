@@ -39,6 +39,8 @@ class JobContext:
     """[start, stop) of each slice of the flat parameters."""
     initial: torch.Tensor
     """fp32 [N] parameters at version 0."""
+    incarnation: int = 0
+    """The job's resumes so far: names its topics and groups (``Topics``)."""
 
     @property
     def num_slices(self) -> int:
@@ -84,7 +86,9 @@ def warm_up() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
-def prepare_job(job_id: str, spec_data: dict[str, Any], planned: JobPlanned) -> JobContext:
+def prepare_job(
+    job_id: str, spec_data: dict[str, Any], planned: JobPlanned, *, incarnation: int = 0
+) -> JobContext:
     """Parse the job's spec, check the announced plan against it and build version 0.
     Raises JobFailure."""
     try:
@@ -108,4 +112,5 @@ def prepare_job(job_id: str, spec_data: dict[str, Any], planned: JobPlanned) -> 
         layout=layout,
         bounds=layout.slice_bounds(spec.distribution.aggregator_shards),
         initial=layout.flatten_params(model),
+        incarnation=incarnation,
     )

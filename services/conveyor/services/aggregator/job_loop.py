@@ -19,10 +19,11 @@ rebuilds the slice's exact state, optimizer included, from the latest checkpoint
 after it (:mod:`.restore`).
 
 Checkpoints: when a StepClose asks for one (``StepClose.checkpoint``), each owner copies its
-slice's state right after applying it (in the step's thread), publishes the ParamSlice as
-usual and writes the copy to the object store in the background (at most
-two writes at once per job: :mod:`.saving`), then announces it with a ``SliceSaved``; the
-checkpointer commits the checkpoint once every slice is announced.
+slice's state right after applying it (in the step's thread), publishes the ParamSlice as usual
+and writes the copy (slice 0's with the job's progress, ledger included) in the background
+(:mod:`.saving`), then announces it with a ``SliceSaved``; the checkpointer commits once every
+slice is announced. A resumed job's log starts with a ``ResumePoint``: the coordinator and the
+slices start from its checkpoint instead of version 0.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import (
     GradSlice,
     ParamSlice,
+    ResumePoint,
     StepClose,
     Topics,
 )
@@ -60,12 +62,14 @@ from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.params import last_param_slices
-from conveyor.services.aggregator.restore import restore_slice
+from conveyor.services.aggregator.restore import restore_slice, resumed_slice
 from conveyor.services.aggregator.saving import SliceSaver
 from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.checkpoint import (
+    CheckpointError,
     CheckpointStore,
     SliceState,
+    read_progress,
     slice_key,
 )
 from conveyor.training.compression import CompressionError
@@ -105,6 +109,7 @@ class JobAggregator:
         self.topics = Topics(kafka.topic_prefix)
         self._folded = asyncio.Event()
         """Set whenever control records were folded (waiters clear it, then check)."""
+        self._log_read = asyncio.Event()  # set once the log as it was at start is folded
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 job_id=ctx.job_id,
@@ -140,13 +145,13 @@ class JobAggregator:
         self._unchanged_since: dict[int, tuple[int, float]] = {}
         """Slice -> (version, monotonic s since it is at that version), for stall warnings."""
         self._tracer = trace.get_tracer(__name__)
-        self._grads_topic = self.topics.grads(ctx.job_id)
-        self._params_topic = self.topics.params(ctx.job_id)
+        self._grads_topic = self.topics.grads(ctx.job_id, incarnation=ctx.incarnation)
+        self._params_topic = self.topics.params(ctx.job_id, incarnation=ctx.incarnation)
         self.checkpoints = CheckpointStore(store, ctx.job_id)
         self.saver = SliceSaver(
             self.checkpoints,
             producer=producer,
-            control_topic=self.topics.control(ctx.job_id),
+            control_topic=ctx.planned.control_topic,
             jobs_topic=self.topics.jobs,
             worker_id=settings.worker_id,
             metrics=metrics,
@@ -160,11 +165,13 @@ class JobAggregator:
     async def run(self) -> None:
         plane = self.kafka.for_gradient_plane()  # every step waits on these two readers
         async with (
-            TopicTail(plane, self.topics.control(self.ctx.job_id)) as control,
+            TopicTail(plane, self.ctx.planned.control_topic) as control,
             Consumer(
                 plane,
                 [self._grads_topic],
-                group_id=self.topics.aggregator_group(self.ctx.job_id),
+                group_id=self.topics.aggregator_group(
+                    self.ctx.job_id, incarnation=self.ctx.incarnation
+                ),
                 max_in_flight=self.settings.max_held_slices,
                 dead_letter_producer=self.producer,
             ) as grads,
@@ -190,12 +197,24 @@ class JobAggregator:
             started = time.monotonic()
             records = await control.get_many(_CONTROL_POLL_S)
             for record in records:
-                self.coordinator.fold(record.message)
+                if isinstance(record.message, ResumePoint):
+                    await self._resume(record.message)
+                else:
+                    self.coordinator.fold(record.message)
+            if control.caught_up:
+                self._log_read.set()
             if records:
                 self._wake.set()
                 self._folded.set()
             else:
                 self._drained_at = started
+
+    async def _resume(self, point: ResumePoint) -> None:
+        try:
+            progress = await asyncio.to_thread(read_progress, self.checkpoints, point.version)
+            self.coordinator.resume(point, progress)
+        except (CheckpointError, ValueError) as exc:
+            raise JobFailure(f"cannot resume from checkpoint v{point.version}: {exc}") from exc
 
     async def _read_grads(self, grads: Consumer) -> None:
         while True:
@@ -318,9 +337,9 @@ class JobAggregator:
         optimizer = aggregator_optimizer(self.ctx.spec)
         last = (await last_param_slices(self.kafka, self._params_topic)).get(index)
         if last is None:
-            state = SliceState(slice_index=index, version=0, values=self.ctx.initial[start:stop],
-                               optimizer={}, grads_offset=0)  # fmt: skip
-            await self._publish(index, 0, state.values.clone())
+            await self._log_read.wait()  # a resumed job starts from its checkpoint
+            state = await self._first_state(index)
+            await self._publish(index, state.version, state.values.clone())
         else:
             if last.values.numel() != stop - start:
                 raise JobFailure(
@@ -335,6 +354,7 @@ class JobAggregator:
                 optimizer=optimizer,
                 checkpoints=self.checkpoints,
                 closes=self._closes_through,
+                floor=self.coordinator.resumed_from or 0,
             )
             await self.saver.report_unusable(restored.skipped, restored.checkpoint_version)
             state = restored.state
@@ -360,14 +380,27 @@ class JobAggregator:
         for received in self._early.pop(index, []):
             self._on_grad(received, grads)
 
-    async def _closes_through(self, version: int) -> list[StepClose]:
-        """StepCloses 1..version, once the control log is folded that far."""
+    async def _first_state(self, index: int) -> SliceState:
+        """Slice ``index`` at the job's first version: 0, or the checkpoint it resumed from."""
+        start, stop = self.ctx.bounds[index]
+        if (version := self.coordinator.resumed_from) is None:
+            return SliceState(slice_index=index, version=0, values=self.ctx.initial[start:stop],
+                              optimizer={}, grads_offset=0)  # fmt: skip
+        try:
+            return await asyncio.to_thread(
+                resumed_slice, self.checkpoints, version, index, stop - start
+            )
+        except CheckpointError as exc:
+            raise JobFailure(f"cannot resume from checkpoint v{version}: {exc}") from exc
+
+    async def _closes_through(self, after: int, version: int) -> list[StepClose]:
+        """StepCloses after+1..version, once the control log is folded that far."""
         while True:
             self._folded.clear()  # before the check: a fold after it sets it again
             if self.coordinator.version >= version:
                 break
             await self._folded.wait()
-        return [self.coordinator.closes[v] for v in range(1, version + 1)]
+        return [self.coordinator.closes[v] for v in range(after + 1, version + 1)]
 
     async def _save_again_if_lost(self, owner: SliceOwner[Received], grads: Consumer) -> None:
         """A previous owner that died between applying a checkpointed version and announcing
@@ -381,7 +414,10 @@ class JobAggregator:
         key = slice_key(self.ctx.job_id, owner.version, owner.slice_index)
         if not await self.saver.announce_written(key):
             offset = grads.low_water(self._grads_topic, owner.slice_index) or 0
-            await self.saver.start(owner.snapshot(offset))
+            state = owner.snapshot(offset)
+            if owner.slice_index == 0:
+                state.progress = self.coordinator.progress_at.get(owner.version)
+            await self.saver.start(state)
 
     async def _advance(self, owner: SliceOwner[Received], grads: Consumer) -> None:
         """Apply every StepClose the owner can apply now, in version order."""
@@ -417,6 +453,8 @@ class JobAggregator:
                 self._engine_doing = f"publishing ParamSlice {owner.slice_index} v{close.version}"
                 await self._publish(owner.slice_index, close.version, values)
             if saved is not None:
+                if owner.slice_index == 0:
+                    saved.progress = self.coordinator.progress_at.get(close.version)
                 # After the ParamSlice: a committed checkpoint never runs ahead of the log.
                 await self.saver.start(saved)
             for received in records:

@@ -83,7 +83,7 @@ class Leader:
         coordinator = self.coordinator
         folded = False
         decisions = coordinator.decide(time.time())
-        control = self.topics.control(self.ctx.job_id)
+        control = self.topics.control(self.ctx.job_id, incarnation=self.ctx.incarnation)
         for rejection in decisions.rejections:
             logger.info("job %s: rejecting %s: %s",
                         self.ctx.job_id, rejection.contribution_id, rejection.reason)  # fmt: skip

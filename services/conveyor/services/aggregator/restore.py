@@ -12,6 +12,10 @@ the published parameters win.
 
 Cost: a replay reads and applies at most the versions since the last checkpoint, so
 ``checkpoint.every_steps`` bounds it.
+
+A resumed job's log starts at the checkpoint it resumed from (``floor``): its slices open from
+that checkpoint's files (:func:`resumed_slice`), and a replay starts there at the beginning of
+the new grads partition, never from an older checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from conveyor.platform.bus import TopicTail
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import GradSlice, ParamSlice, StepClose
 from conveyor.services.aggregator.slice_owner import SliceOwner
-from conveyor.training.checkpoint import CheckpointStore, Skipped, SliceState
+from conveyor.training.checkpoint import CheckpointError, CheckpointStore, Skipped, SliceState
 from conveyor.training.jobspec import OptimizerSpec
 
 logger = logging.getLogger(__name__)
@@ -65,16 +69,26 @@ async def restore_slice(
     last: ParamSlice,
     optimizer: OptimizerSpec,
     checkpoints: CheckpointStore,
-    closes: Callable[[int], Awaitable[list[StepClose]]],
+    closes: Callable[[int, int], Awaitable[list[StepClose]]],
+    floor: int = 0,
 ) -> Restored:
     """The state of slice ``index`` at ``last.version`` (module docstring). ``initial``: the
-    slice's fp32 values at version 0; ``closes(version)`` waits until the control log is
-    folded up to ``version`` and returns the StepCloses 1..version in order. Raises the
+    slice's fp32 values at version 0; ``closes(after, version)`` waits until the control log
+    is folded up to ``version`` and returns the StepCloses after..version in order;
+    ``floor``: the version a resumed job's log starts at (0: not resumed). Raises the
     store's StorageError or BusError on I/O failures (the caller retries)."""
     target = last.version
     manifest, states, skipped = await asyncio.to_thread(checkpoints.latest_good, [index])
-    if manifest is not None and manifest.version <= target:
+    if manifest is not None and floor <= manifest.version <= target:
         base = states[index]
+        if base.version == floor:  # the new grads partition starts after it
+            base.grads_offset = 0
+    elif floor > 0:
+        fallback = SliceState(slice_index=index, version=target, values=last.values.clone(),
+                              optimizer={}, grads_offset=0)  # fmt: skip
+        logger.error("slice %d: no good checkpoint from the resume point v%d on; the optimizer "
+                     "state restarts", index, floor)  # fmt: skip
+        return Restored(fallback, None, 0, skipped, exact=False)
     else:
         if manifest is not None:  # cannot be newer than what was published: ignore it
             logger.warning("slice %d: checkpoint v%d is past the published v%d; not used",
@@ -84,7 +98,7 @@ async def restore_slice(
     checkpoint_version = base.version if base.version > 0 else None
     if base.version == target:
         return Restored(base, checkpoint_version, 0, skipped, exact=True)
-    steps = (await closes(target))[base.version : target]
+    steps = await closes(base.version, target)
     try:
         grads = await _read_grads(kafka, grads_topic, index, base.grads_offset, steps)
         replayed = await asyncio.to_thread(_replay, base, steps, grads, optimizer)
@@ -133,3 +147,23 @@ def _replay(
         slices = [grads[e.contribution_id] for e in close.contributions if e.num_samples > 0]
         owner.step(close, slices)
     return owner.snapshot(grads_offset=0)
+
+
+def resumed_slice(checkpoints: CheckpointStore, version: int, index: int, numel: int) -> SliceState:
+    """Slice ``index`` (``numel`` values) of checkpoint ``version`` (verified; blocking),
+    where a resumed job starts: its grads partition is new, so a replay from it starts at
+    offset 0. CheckpointError when the file is missing, corrupt or of another size."""
+    manifest = checkpoints.read_manifest(version)
+    if index >= len(manifest.files):
+        raise CheckpointError(f"version {version} has no slice {index}")
+    state = checkpoints.read_slice(manifest.files[index])
+    if state.values.numel() != numel:
+        raise CheckpointError(f"version {version}, slice {index}: {state.values.numel()} "
+                              f"values, the model's slice has {numel}")  # fmt: skip
+    return SliceState(
+        slice_index=index,
+        version=version,
+        values=state.values.clone(),
+        optimizer={name: tensor.clone() for name, tensor in state.optimizer.items()},
+        grads_offset=0,
+    )

@@ -70,7 +70,9 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
     async def prepare_job(self, job: JobView) -> tuple[JobContext, ObjectStore]:
         if job.plan is None:
             raise JobFailure("invalid job: it has no plan yet")
-        ctx = await asyncio.to_thread(prepare_job, job.job_id, job.spec, job.plan)
+        ctx = await asyncio.to_thread(
+            prepare_job, job.job_id, job.spec, job.plan, incarnation=job.incarnation
+        )
         try:
             store = open_store(output_uri(ctx.spec, self.storage), self.storage)  # in the roots
         except ValueError as exc:

@@ -5,14 +5,21 @@ version: the epoch, the train batches of that epoch already applied, steps and s
 every SliceSaved. A checkpointed version is *ready* once each of its K slices is announced as
 saved; *failed* once one slice announces an error. The time trigger (``checkpoint.every_s``)
 is *due* when that long passed since the last checkpointed StepClose (or since the job was
-first seen) and no request is pending.
+first seen) and no request is pending. A resumed job's ``ResumePoint`` (its log's first record)
+starts the fold at the checkpoint's version and data cursor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.platform.messages import CheckpointRequest, Message, SliceSaved, StepClose
+from conveyor.platform.messages import (
+    CheckpointRequest,
+    Message,
+    ResumePoint,
+    SliceSaved,
+    StepClose,
+)
 from conveyor.training.checkpoint import DataCursor, SliceFile
 from conveyor.training.plan import parse_batch_id
 
@@ -68,6 +75,15 @@ class CheckpointBook:
             self.saved.setdefault(message.version, {}).setdefault(message.slice_index, message)
         elif isinstance(message, CheckpointRequest):
             self._timer_pending = True
+        elif isinstance(message, ResumePoint) and self._version == 0:
+            self._version = message.version
+            self._cursor = _Cursor(
+                epoch=len(message.ended_epochs),
+                steps=message.steps,
+                samples=message.samples_trained,
+            )
+            for batch_id in message.applied_batches:
+                self._cursor.applied.setdefault(parse_batch_id(batch_id).epoch, []).append(batch_id)
 
     def _fold_close(self, close: StepClose) -> None:
         if close.version != self._version + 1:

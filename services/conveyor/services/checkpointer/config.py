@@ -25,3 +25,7 @@ class CheckpointerSettings(_FileAwareSettings):
         default=2.0,
         description="Wait before following a job again after a retriable broker/storage failure.",
     )
+    registry_interval_s: Annotated[float, Field(gt=0, le=300)] = Field(
+        default=1.0,
+        description="Pause between two updates of the registry of live jobs in the object store.",
+    )

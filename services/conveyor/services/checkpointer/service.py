@@ -12,6 +12,10 @@ tails the job's control topic from the beginning into a :class:`~.book.Checkpoin
   store when its announcements were not read before the job's topics went.
 
 Versions already committed (a restart, a second replica) are not committed again.
+
+Beside the jobs it keeps the registry of live jobs in the stack's object store and, on a jobs
+topic that lost them (the whole stack, broker included, restarted), brings them back from their
+latest checkpoints (:mod:`.registry`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from conveyor.platform.bus import TopicTail
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
@@ -33,6 +39,12 @@ from conveyor.platform.storage import ObjectNotFound, StorageError, open_store
 from conveyor.platform.telemetry import LATENCY_BUCKETS_S, counter, histogram
 from conveyor.services.checkpointer.book import CheckpointBook
 from conveyor.services.checkpointer.config import CheckpointerSettings
+from conveyor.services.checkpointer.registry import (
+    JobRegistry,
+    RegistryEntry,
+    recovery_event,
+    registry_changes,
+)
 from conveyor.training.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -88,6 +100,41 @@ class CheckpointerService(JobHostService[Prepared]):
         self.settings = settings
         self.storage = storage
 
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._keep_registry()]
+
+    async def _keep_registry(self) -> None:
+        """Keep the registry of live jobs; on start, bring back the jobs the topic lost."""
+        registry = JobRegistry(open_store(self.storage.uri, self.storage))
+        await self.view_ready()  # "lost" means: not in a view of the whole jobs topic
+        started = True
+        while True:
+            try:
+                entries = await asyncio.to_thread(registry.entries)
+                changes = registry_changes(self.view, entries)
+                for entry in changes.lost if started else ():
+                    await self._recover(entry)
+                for entry in changes.write:
+                    await asyncio.to_thread(registry.write, entry)
+                for job_id in changes.delete:
+                    await asyncio.to_thread(registry.delete, job_id)
+                started = False
+            except StorageError as exc:  # the jobs go on; the next pass tries again
+                logger.warning("the registry of live jobs: %s", exc)
+            await asyncio.sleep(self.settings.registry_interval_s)
+
+    async def _recover(self, entry: RegistryEntry) -> None:
+        try:
+            spec = JobSpec.from_dict(entry.spec)
+            store = open_store(output_uri(spec, self.storage), self.storage)
+        except ValueError as exc:
+            logger.error("job %s: cannot bring it back: %s", entry.job_id, exc)
+            return
+        event = await asyncio.to_thread(recovery_event, entry, CheckpointStore(store, entry.job_id))
+        logger.warning("job %s: lost with the jobs topic; bringing it back: %s", entry.job_id,
+                       event.details().get("checkpoint_version", "from the start"))  # fmt: skip
+        await self._publish(event)
+
     async def prepare_job(self, job: JobView) -> Prepared:
         try:
             spec = JobSpec.from_dict(job.spec)
@@ -108,11 +155,12 @@ class CheckpointerService(JobHostService[Prepared]):
         # A restart (or a second replica) does not commit again what is committed already.
         book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
         try:
-            async with TopicTail(self.kafka, self.topics.control(job.job_id)) as control:
+            control_topic = job.plan.control_topic  # the view's plan changes on a resume
+            async with TopicTail(self.kafka, control_topic) as control:
                 while True:
                     for record in await control.get_many(self.settings.poll_s):
                         book.fold(record.message)
-                    await self._act(job, spec, checkpoints, book)
+                    await self._act(job, spec, checkpoints, book, control_topic)
         except asyncio.CancelledError:
             # Let go: the job ended (or this process stops). Its final checkpoint's
             # announcements may have gone with its topics: commit it from the store.
@@ -120,7 +168,12 @@ class CheckpointerService(JobHostService[Prepared]):
             raise
 
     async def _act(
-        self, job: JobView, spec: JobSpec, checkpoints: CheckpointStore, book: CheckpointBook
+        self,
+        job: JobView,
+        spec: JobSpec,
+        checkpoints: CheckpointStore,
+        book: CheckpointBook,
+        control_topic: str,
     ) -> None:
         for version in book.failed():
             book.done.add(version)
@@ -130,7 +183,7 @@ class CheckpointerService(JobHostService[Prepared]):
         if book.timer_due(spec.checkpoint.every_s, time.time()):
             book.timer_sent()
             await self.producer.publish(
-                self.topics.control(job.job_id),
+                control_topic,
                 CheckpointRequest(job_id=job.job_id, reason="every_s", requested_at=time.time()),
             )
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 from conveyor.platform.config import StorageSettings
 from conveyor.platform.storage import ObjectNotFound, ObjectStore, open_store
 from conveyor.services.gateway.errors import ArtifactNotFound
-from conveyor.training.checkpoint import CheckpointInfo, CheckpointStore
+from conveyor.training.checkpoint import (
+    CheckpointInfo,
+    CheckpointStore,
+    JobProgress,
+    resume_point,
+)
 from conveyor.training.exported import MODEL_FILES
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobView
@@ -29,6 +34,11 @@ class JobArtifacts:
     def checkpoints(self, job: JobView) -> list[CheckpointInfo]:
         """Every checkpoint of the job, newest first (committed and incomplete)."""
         return CheckpointStore(self.store_of(job), job.job_id).listing()
+
+    def resume_point(self, job: JobView) -> tuple[JobProgress | None, list[str]]:
+        """The newest checkpoint the job can resume from (None: none), and why each newer one
+        could not be used."""
+        return resume_point(CheckpointStore(self.store_of(job), job.job_id))
 
     def model_file(self, job: JobView, name: str) -> bytes:
         """One file of the exported model (verified against its recorded sha256).

@@ -55,6 +55,15 @@ class JobNotRunning(GatewayError):
         self.state = state
 
 
+class JobNotResumable(GatewayError):
+    """The job cannot be resumed (409): it is not failed or cancelled, or it has no
+    checkpoint to resume from (the message says which and why)."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"job {job_id!r} cannot be resumed: {reason}")
+        self.job_id = job_id
+
+
 class LocationsRefused(GatewayError):
     """The spec names a place outside the operator's roots (422, one error per field)."""
 

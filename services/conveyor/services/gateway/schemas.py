@@ -71,6 +71,9 @@ class Job(BaseModel):
     plan: dict[str, Any] | None = Field(description="The sharder's plan (data of 'planned').")
     summary: dict[str, Any] | None = Field(description="Final summary once completed.")
     spec: dict[str, Any]
+    resumed_from: int | None = Field(
+        default=None, description="Checkpoint version of the latest resume (null: none)."
+    )
 
     @classmethod
     def of(cls, view: JobView, schedule: Schedule) -> Job:
@@ -94,6 +97,7 @@ class Job(BaseModel):
             plan=None if view.plan is None else view.plan.details(),
             summary=view.summary,
             spec=view.spec,
+            resumed_from=view.resumed_from,
         )
 
 

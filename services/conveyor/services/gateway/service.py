@@ -23,10 +23,12 @@ from conveyor.platform.messages import (
     CancelRequested,
     CheckpointRequest,
     JobEvent,
+    JobResumed,
     JobSubmitted,
     Topics,
 )
 from conveyor.platform.service import Service
+from conveyor.platform.storage import StorageError
 from conveyor.services.gateway.artifacts import JobArtifacts
 from conveyor.services.gateway.autoscaling import AutoscalerLog
 from conveyor.services.gateway.config import GatewaySettings
@@ -35,6 +37,7 @@ from conveyor.services.gateway.errors import (
     IdempotencyConflict,
     JobFinished,
     JobNotFound,
+    JobNotResumable,
     JobNotRunning,
     LocationsRefused,
 )
@@ -211,10 +214,37 @@ class GatewayService(Service):
         request = CheckpointRequest(job_id=job_id, reason="request", requested_at=time.time())
         try:
             async with asyncio.timeout(self.settings.write_timeout_s):
-                await producer.publish(self.topics.control(job_id), request)
+                topic = self.topics.control(job_id, incarnation=job.incarnation)
+                await producer.publish(topic, request)
         except (BusError, TimeoutError) as exc:
             raise GatewayUnavailable(f"could not reach the broker: {exc}") from exc
         return job
+
+    async def resume(self, job_id: str) -> JobView:
+        """Restart a failed or cancelled job from its newest usable checkpoint (a
+        ``JobResumed`` event; the sharder plans it again from there).
+
+        :class:`JobNotFound`; :class:`JobNotResumable` for a job in another state or without
+        a usable checkpoint; :class:`GatewayUnavailable` when the store or the broker does not
+        answer.
+        """
+        job = self.get_job(job_id)
+        if job.state not in ("failed", "cancelled"):
+            raise JobNotResumable(job_id, f"it is {job.state}; only a failed or cancelled job is")
+        try:
+            progress, refused = await asyncio.to_thread(self.artifacts.resume_point, job)
+        except ValueError as exc:
+            raise JobNotResumable(job_id, str(exc)) from exc
+        except StorageError as exc:
+            raise GatewayUnavailable(f"reading the job's checkpoints: {exc}") from exc
+        if progress is None:
+            why = "; ".join(refused) if refused else "none was committed"
+            raise JobNotResumable(job_id, f"no checkpoint to resume from ({why})")
+        await self._publish(JobResumed(
+            job_id=job_id, spec=job.spec, checkpoint_version=progress.version,
+            incarnation=job.incarnation + 1, reason="resumed through the API",
+        ))  # fmt: skip
+        return self.get_job(job_id)
 
     # -- helpers ----------------------------------------------------------------------------
 

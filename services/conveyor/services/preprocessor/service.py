@@ -164,7 +164,7 @@ class PreprocessorService(Service):
             self._drop(task, "its job failed")
             return
         try:
-            topic = self.topics.batches(task.job_id)
+            topic = self.topics.batches(task.job_id, incarnation=task.incarnation)
         except ValueError as exc:
             self._drop(task, str(exc))
             return

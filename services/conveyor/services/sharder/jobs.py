@@ -1,5 +1,8 @@
 """The sharder's view of its jobs: a pure fold of the events of ``Topics.jobs``.
 
+A :class:`JobResumed` starts a new record for its job (the job's held record, when one is kept,
+is released): the sharder plans it again from the checkpoint it names.
+
 Acknowledgement policy (what makes a restart replay the right events): the ``submitted``
 record of a job is held unacknowledged until the job is forgotten (terminal), so the
 committed offset of its partition never passes it; every later record of the same job (same
@@ -22,12 +25,14 @@ from conveyor.platform.messages import (
     CoordinatorProgress,
     JobEvent,
     JobPlanned,
+    JobResumed,
     JobSubmitted,
+    ResumePoint,
     SamplesSkipped,
     Topics,
     TrainerPresence,
 )
-from conveyor.services.sharder.flow import FlowControl
+from conveyor.services.sharder.flow import FlowControl, RemainingSequence
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
 
@@ -43,7 +48,7 @@ class JobRecord:
 
     job_id: str
     submitted: Received
-    """The held (unacknowledged) ``submitted`` record."""
+    """The held (unacknowledged) ``submitted`` (or ``resumed``) record."""
     spec: JobSpec | None
     """The parsed spec; None when it is invalid (``spec_error`` says why)."""
     spec_error: str | None
@@ -67,6 +72,28 @@ class JobRecord:
     """Distinct sample ids the preprocessors skipped as bad (``SamplesSkipped`` events)."""
     skipped_reasons: list[str] = field(default_factory=list)
     """The first few of their reasons (``<file>: <reason>``)."""
+    resume: JobResumed | None = None
+    """The event that resumed the job (None: a submission)."""
+    resume_point: ResumePoint | None = None
+    """Where the resumed job starts, once read from its checkpoint."""
+    consumed_base: int = 0
+    """Batches counted as consumed at the resume (flow control counts those after it)."""
+
+    @property
+    def incarnation(self) -> int:
+        """The job's resumes so far: names its topics (``Topics``)."""
+        return 0 if self.resume is None else self.resume.incarnation
+
+    @property
+    def flow_consumed(self) -> int:
+        """The consumed count flow control runs on (since the resume, if resumed)."""
+        return max(0, self.consumed - self.consumed_base)
+
+    def plan_task(self, index: int) -> int:
+        """The plan's task index of flow control's task ``index``."""
+        if self.flow is not None and isinstance(self.flow.sequence, RemainingSequence):
+            return self.flow.sequence.tasks[index]
+        return index
 
     def too_many_bad_samples(self) -> str | None:
         """Why the job must fail when more distinct samples were skipped than the spec's
@@ -101,6 +128,13 @@ class JobTable:
     def __init__(self, topics: Topics) -> None:
         self._topics = topics
         self._jobs: dict[str, JobRecord] = {}
+        self._released: list[JobRecord] = []
+
+    def take_released(self) -> list[JobRecord]:
+        """Records a resume replaced: the caller acknowledges their held records and deletes
+        their incarnation's topics."""
+        released, self._released = self._released, []
+        return released
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -127,6 +161,8 @@ class JobTable:
         job = self._jobs.get(event.job_id)
         if isinstance(event, JobSubmitted):
             return self._submitted(job, event, received)
+        if isinstance(event, JobResumed):
+            return self._resumed(job, event, received)
         if job is None:
             return True
         match event:
@@ -169,8 +205,28 @@ class JobTable:
         )
         return False
 
+    def _resumed(self, job: JobRecord | None, event: JobResumed, received: Received) -> bool:
+        if job is not None:
+            if (job.submitted.partition, job.submitted.offset) == (
+                received.partition,
+                received.offset,
+            ):
+                job.submitted = received  # redelivered: hold the new copy
+                return False
+            if not job.terminal:
+                logger.info("job %s: ignoring a resume of a job that has not ended", job.job_id)
+                return True
+            self._released.append(job)
+        spec, error = _parse_spec(event, self._topics)
+        self._jobs[event.job_id] = JobRecord(
+            job_id=event.job_id, submitted=received, spec=spec, spec_error=error, resume=event
+        )
+        return False
 
-def _parse_spec(event: JobSubmitted, topics: Topics) -> tuple[JobSpec | None, str | None]:
+
+def _parse_spec(
+    event: JobSubmitted | JobResumed, topics: Topics
+) -> tuple[JobSpec | None, str | None]:
     try:
         topics.batches(event.job_id)
     except ValueError as exc:

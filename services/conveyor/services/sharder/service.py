@@ -17,7 +17,12 @@ every event into the
   ``planned`` (unless the log already has one); a bad spec, a location outside the roots or an
   unreadable dataset publishes ``failed`` with the reason;
 - planned: release the tasks :class:`~.flow.FlowControl` allows, await their acks; each task
-  carries the routing of the coordinator's latest progress (:mod:`conveyor.training.routing`).
+  carries the routing of the coordinator's latest progress (:mod:`conveyor.training.routing`);
+- resumed (a ``resumed`` event, planned again like a submission): read the job's progress from
+  the checkpoint it names (slice 0's file; a checkpoint that cannot be read fails the job),
+  create the topics of its new incarnation (fresh names: nothing of the earlier run reaches
+  them), write the ``ResumePoint`` as the first record of the control topic, then publish
+  ``planned``; release only the tasks with batches left to do.
 
 Acting only when caught up means a restarted sharder first replays a job's events (its
 ``submitted`` record was never committed past) and then continues from the consumed cursor of
@@ -56,16 +61,25 @@ from conveyor.platform.messages import (
     JobEvent,
     JobFailed,
     JobPlanned,
+    ResumePoint,
     ShardTask,
     Topics,
 )
 from conveyor.platform.service import Service
+from conveyor.platform.storage import StorageError, open_store
 from conveyor.platform.telemetry import counter, gauge
 from conveyor.services.sharder.config import SharderSettings
-from conveyor.services.sharder.flow import FlowControl
+from conveyor.services.sharder.flow import (
+    FlowControl,
+    ReleaseSequence,
+    RemainingSequence,
+    batches_done,
+    remaining_tasks,
+)
 from conveyor.services.sharder.jobs import JobRecord, JobTable
+from conveyor.training.checkpoint import CheckpointError, CheckpointStore, read_progress
 from conveyor.training.datasets import AnyDataset, DatasetError, open_dataset, output_shape
-from conveyor.training.locations import refused_locations
+from conveyor.training.locations import output_uri, refused_locations
 from conveyor.training.plan import JobPlan
 from conveyor.training.slicing import build_job_model
 
@@ -164,6 +178,10 @@ class SharderService(Service):
             if received is not None:
                 if self.table.apply(received):
                     consumer.ack(received)
+                for replaced in self.table.take_released():
+                    await self._delete_job_topics([replaced])  # its grace ends with the resume
+                    consumer.ack(replaced.submitted)
+                    self._ended_at.pop(replaced.job_id, None)
                 if consumer.lag() > 0:
                     continue  # later events may cancel, finish or advance a job: read them first
             try:
@@ -224,16 +242,47 @@ class SharderService(Service):
             if made is None:
                 return  # storage unavailable: try again on the next pass
             plan, shape, dataset = made
+            if job.resume is not None and await self._resume_point(job) is None:
+                return  # failed, or storage unavailable: the next pass retries
             await self._create_job_topics(job)
             if not job.planned_seen:
+                if job.resume_point is not None:
+                    await self._publish_control(job, job.resume_point)
                 await self._publish(self._planned(job, plan, shape, dataset))
             assert job.spec is not None
             job.plan = plan
-            job.flow = FlowControl(plan, max_lead_batches=job.spec.flow.max_lead_batches)
+            sequence: ReleaseSequence = plan
+            if job.resume_point is not None:
+                sequence = RemainingSequence(remaining_tasks(plan, job.resume_point))
+                job.consumed_base = batches_done(plan, job.resume_point)
+            job.flow = FlowControl(sequence, max_lead_batches=job.spec.flow.max_lead_batches)
             logger.info(
                 "job %s: planned %d train / %d eval samples, %d tasks",
                 job.job_id, plan.num_train, plan.num_eval, plan.num_tasks,
             )  # fmt: skip
+
+    async def _resume_point(self, job: JobRecord) -> ResumePoint | None:
+        """The ResumePoint of a resumed job, from the checkpoint its ``resumed`` event names;
+        None after publishing ``failed`` (unreadable or unusable) or when the store is
+        unavailable (retry)."""
+        assert job.resume is not None and job.spec is not None
+        if job.resume_point is not None:
+            return job.resume_point
+        version = job.resume.checkpoint_version
+        try:
+            store = open_store(output_uri(job.spec, self.storage), self.storage)
+            checkpoints = CheckpointStore(store, job.job_id)
+            progress = await asyncio.to_thread(read_progress, checkpoints, version)
+            job.resume_point = progress.resume_point(job.job_id)
+        except (CheckpointError, ValueError) as exc:
+            reason = f"cannot resume from checkpoint v{version}: {exc}"
+            await self._publish_outcome(job, JobFailed(job_id=job.job_id, reason=reason))
+        except StorageError as exc:
+            if not exc.retriable:
+                reason = f"cannot resume from checkpoint v{version}: {exc}"
+                await self._publish_outcome(job, JobFailed(job_id=job.job_id, reason=reason))
+            logger.warning("job %s: reading checkpoint v%d: %s", job.job_id, version, exc)
+        return job.resume_point
 
     async def _make_plan(
         self, job: JobRecord
@@ -304,8 +353,8 @@ class SharderService(Service):
                 job.spec.micro_batches_per_step * (job.spec.distribution.sync_every_steps or 1)
             ),
             shards_per_epoch=plan.tasks_per_epoch,
-            batches_topic=self.topics.batches(job.job_id),
-            control_topic=self.topics.control(job.job_id),
+            batches_topic=self.topics.batches(job.job_id, incarnation=job.incarnation),
+            control_topic=self.topics.control(job.job_id, incarnation=job.incarnation),
             batches_partitions=self._batches_partitions(job),
         )
 
@@ -322,6 +371,7 @@ class SharderService(Service):
                 job.job_id,
                 batches_partitions=self._batches_partitions(job),
                 slices=job.spec.distribution.aggregator_shards,
+                incarnation=job.incarnation,
             )
         )
 
@@ -330,7 +380,7 @@ class SharderService(Service):
     async def _release(self, job: JobRecord) -> None:
         plan, flow, spec, producer = job.plan, job.flow, job.spec, self._producer
         assert plan is not None and flow is not None and spec is not None and producer is not None
-        tasks = flow.releasable(job.consumed)
+        tasks = flow.releasable(job.flow_consumed)
         if not tasks:
             return
         preprocess = spec.preprocess.model_dump(mode="json")
@@ -344,7 +394,7 @@ class SharderService(Service):
         links = [Link(job.plan_span)] if job.plan_span is not None else []
         acks = []
         for task_index in tasks:
-            shard = plan.task(task_index)
+            shard = plan.task(job.plan_task(task_index))
             message = ShardTask(
                 job_id=job.job_id,
                 shard_id=shard.shard_id,
@@ -358,6 +408,7 @@ class SharderService(Service):
                 preprocess=preprocess,
                 released_at=time.time(),
                 routing=routing,
+                incarnation=job.incarnation,
             )
             # Each shard starts its own trace (the one its batches follow), linked to the plan.
             with self._tracer.start_as_current_span(
@@ -376,19 +427,22 @@ class SharderService(Service):
 
     async def _finish(self, consumer: Consumer, jobs: list[JobRecord]) -> None:
         """Delete the topics of terminal jobs, forget them, ack their submitted records."""
-        assert self._admin is not None
-        names: list[str] = []
-        for job in jobs:
-            # A job id no topic name can carry never had topics.
-            with contextlib.suppress(ValueError):
-                names.extend(self.topics.job_topics(job.job_id))
-        await self._admin.delete_topics(names)
+        await self._delete_job_topics(jobs)
         for job in jobs:
             self.table.forget(job.job_id)
             self._dataset_attempts.pop(job.job_id, None)
             self._ended_at.pop(job.job_id, None)
             consumer.ack(job.submitted)
             logger.info("job %s: finished; topics deleted", job.job_id)
+
+    async def _delete_job_topics(self, jobs: list[JobRecord]) -> None:
+        assert self._admin is not None
+        names: list[str] = []
+        for job in jobs:
+            # A job id no topic name can carry never had topics.
+            with contextlib.suppress(ValueError):
+                names.extend(self.topics.job_topics(job.job_id, incarnation=job.incarnation))
+        await self._admin.delete_topics(names)
 
     async def _publish_outcome(self, job: JobRecord, event: JobFailed | JobCancelled) -> None:
         logger.warning("job %s: %s: %s", job.job_id, event.EVENT, event.reason)
@@ -399,6 +453,11 @@ class SharderService(Service):
         assert self._producer is not None
         await self._producer.publish(self.topics.jobs, event, key=event.job_id)
 
+    async def _publish_control(self, job: JobRecord, point: ResumePoint) -> None:
+        assert self._producer is not None
+        topic = self.topics.control(job.job_id, incarnation=job.incarnation)
+        await self._producer.publish(topic, point)
+
 
 def _lead(job: JobRecord) -> int:
-    return 0 if job.flow is None else job.flow.lead_batches(job.consumed)
+    return 0 if job.flow is None else job.flow.lead_batches(job.flow_consumed)

@@ -12,6 +12,7 @@ from conveyor.services.gateway.errors import (
     IdempotencyConflict,
     JobFinished,
     JobNotFound,
+    JobNotResumable,
     JobNotRunning,
     LocationsRefused,
 )
@@ -22,6 +23,7 @@ _STATUS: dict[type[GatewayError], int] = {
     JobNotFound: status.HTTP_404_NOT_FOUND,
     ArtifactNotFound: status.HTTP_404_NOT_FOUND,
     JobNotRunning: status.HTTP_409_CONFLICT,
+    JobNotResumable: status.HTTP_409_CONFLICT,
     JobFinished: status.HTTP_409_CONFLICT,
     IdempotencyConflict: status.HTTP_409_CONFLICT,
     GatewayUnavailable: status.HTTP_503_SERVICE_UNAVAILABLE,

@@ -38,6 +38,8 @@ class JobsBackend(Protocol):
 
     async def request_checkpoint(self, job_id: str) -> JobView: ...
 
+    async def resume(self, job_id: str) -> JobView: ...
+
 
 def get_backend(request: Request) -> JobsBackend:
     backend: JobsBackend = request.app.state.jobs_backend

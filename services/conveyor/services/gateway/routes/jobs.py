@@ -1,4 +1,5 @@
-"""``/v1/jobs``: submit, list, get, cancel, follow (server-sent events), stage latencies."""
+"""``/v1/jobs``: submit, list, get, cancel, resume, follow (server-sent events), stage
+latencies."""
 
 from __future__ import annotations
 
@@ -84,6 +85,21 @@ async def get_job(job_id: str, backend: BackendDep) -> Job:
 async def cancel_job(job_id: str, backend: BackendDep) -> Job:
     """Request cancellation; the job turns ``cancelled`` once its services stopped it."""
     return Job.of(await backend.cancel(job_id), backend.schedule())
+
+
+@router.post(
+    "/{job_id}/resume",
+    status_code=status.HTTP_202_ACCEPTED,
+    responses={
+        **_NOT_FOUND,
+        409: {"model": ErrorBody, "description": "Not failed or cancelled, or no checkpoint."},
+    },
+)
+async def resume_job(job_id: str, backend: BackendDep) -> Job:
+    """Restart a failed or cancelled job, under its id, from its newest usable checkpoint
+    (``resumed_from``); it turns ``pending`` and runs on like before. 409 for a job that is
+    running or completed, or that has no checkpoint to resume from."""
+    return Job.of(await backend.resume(job_id), backend.schedule())
 
 
 @router.get("/{job_id}/stages", responses=_NOT_FOUND)

@@ -35,6 +35,8 @@ class JobSession:
     """A joined job's fixed parts."""
 
     job_id: str
+    incarnation: int
+    """The job's resumes so far: names its topics and groups (``Topics``)."""
     spec: JobSpec
     plan: JobPlanned
     topics: Topics
@@ -54,11 +56,11 @@ class JobSession:
 
     @property
     def grads_topic(self) -> str:
-        return self.topics.grads(self.job_id)
+        return self.topics.grads(self.job_id, incarnation=self.incarnation)
 
     @property
     def params_topic(self) -> str:
-        return self.topics.params(self.job_id)
+        return self.topics.params(self.job_id, incarnation=self.incarnation)
 
 
 def max_in_flight(spec: JobSpec, plan: JobPlanned, settings: TrainerSettings) -> int:
@@ -125,6 +127,7 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
         raise JobFailure(f"cannot set up training: {exc}") from exc
     return JobSession(
         job_id=job.job_id,
+        incarnation=job.incarnation,
         spec=spec,
         plan=plan,
         topics=topics,

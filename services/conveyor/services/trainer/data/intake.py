@@ -64,7 +64,7 @@ class BatchIntake:
         before leaving (the consumer leaves the group on exit, committing what was
         acknowledged)."""
         session = self._session
-        group = session.topics.trainer_group(session.job_id)
+        group = session.topics.trainer_group(session.job_id, incarnation=session.incarnation)
         async with Consumer(
             self._kafka,
             [session.plan.batches_topic],

@@ -12,6 +12,10 @@ The control topic is read by everyone from the beginning, in order. Folding it t
   contribution sequence its worker id used (a restarted trainer continues after it);
 - which trainers are alive (a heartbeat within ``member_timeout_s``, by the sender's clock).
 
+A resumed job's log starts with a ``ResumePoint``: the fold starts from its version, ended
+epochs (evaluated or not) and the open epochs' applied batches, as if it had read the log up
+to there.
+
 Per-epoch id sets are dropped once the epoch's part is complete (every id of an ended epoch is
 applied), so the state stays proportional to the open epochs.
 """
@@ -27,6 +31,7 @@ from conveyor.platform.messages import (
     Heartbeat,
     Message,
     Rejection,
+    ResumePoint,
     StepClose,
 )
 from conveyor.training.plan import parse_batch_id
@@ -117,6 +122,24 @@ class ControlState:
                 self._heartbeats.pop(message.worker_id, None)
             else:
                 self._heartbeats[message.worker_id] = message.at
+        elif isinstance(message, ResumePoint):
+            self._resume(message)
+
+    def _resume(self, point: ResumePoint) -> None:
+        if self.version != 0:  # it is the log's first record: a second one is a bug
+            logger.warning("ignoring a ResumePoint at version %d", self.version)
+            return
+        self.version, self.steps = point.version, point.steps
+        for ended in point.ended_epochs:
+            self.epoch_end[ended.epoch] = ended.version
+            self.applied_train_batches += self.train_batches_per_epoch
+            if ended.evaluated or self.eval_batches_per_epoch == 0:
+                self._eval_done.add(ended.epoch)
+        for batch_id in point.applied_batches:
+            epoch = _epoch_of(batch_id, "train")
+            if epoch is not None and epoch not in self.epoch_end:
+                self._train.setdefault(epoch, set()).add(batch_id)
+                self.applied_train_batches += 1
 
     def _close(self, close: StepClose) -> None:
         if close.version != self.version + 1:  # the first close of each version wins
