@@ -12,7 +12,9 @@ What stands in for Docker:
 - **Infrastructure**: Kafka is the embedded broker (Tansu) on the address and port of the
   inter-broker listener the file advertises; MinIO is a moto S3 server on MinIO's API port, the
   bucket made as ``minio-init`` would with the credentials of the ``minio`` service; Jaeger is
-  an OTLP/HTTP receiver on its OTLP port.
+  an OTLP/HTTP receiver on its OTLP port; the Docker Engine the autoscaler drives (the socket
+  the file mounts) is a stand-in Engine API (tests/engine_servers.py) that lists the emulated
+  preprocessor containers with their compose labels.
 - ``depends_on`` runs in the file's order, ``service_healthy`` by running the service's own
   healthcheck command until it passes; ``--scale preprocessor=2 --scale trainer=2``.
 
@@ -51,6 +53,7 @@ from compose_model import (
     start_order,
 )
 from e2e_stack import ACTIVE, digits_spec, metric_values, pack_dataset, wait_for, write_digits_npz
+from engine_servers import DockerEngine, serving
 from otlp_receiver import OtlpReceiver
 from trace_chain import PROBES, Spans, batch_chain
 
@@ -125,6 +128,8 @@ class ComposeRun:
     compose: dict[str, Any]
     network: Network
     jaeger: OtlpReceiver
+    docker_url: str
+    """The stand-in Docker Engine API that replaces the socket the autoscaler mounts."""
     containers: list[Container] = field(default_factory=list)
 
     def log_tails(self, lines: int = 40) -> str:
@@ -220,7 +225,13 @@ def compose_run(tmp_path: Path) -> Iterator[ComposeRun]:
         receiver = cleanup.enter_context(
             OtlpReceiver(host=jaeger_address, port=JAEGER_OTLP_HTTP_PORT)
         )
-        run = ComposeRun(state_dir=tmp_path, compose=compose, network=network, jaeger=receiver)
+        engine = DockerEngine()
+        project = environment(services["autoscaler"])["CONVEYOR_AUTOSCALER_DOCKER_PROJECT"]
+        for number in range(1, SCALE["preprocessor"] + 1):
+            engine.add(project=project, service="preprocessor", number=number)
+        docker_url = cleanup.enter_context(serving(engine))
+        run = ComposeRun(state_dir=tmp_path, compose=compose, network=network, jaeger=receiver,
+                         docker_url=docker_url)  # fmt: skip
         ACTIVE.append(run)  # type: ignore[arg-type]  # duck-typed: state_dir and log_tails()
         cleanup.callback(ACTIVE.remove, run)  # type: ignore[arg-type]
         cleanup.callback(run.kill)
@@ -273,6 +284,9 @@ def _start_services(run: ComposeRun, ready: dict[str, str]) -> Iterator[ComposeR
             env = container_base_env(workdir)
             compose_env = environment(service)
             env.update({k: network.rewrite(v, address) for k, v in compose_env.items()})
+            if name == "autoscaler":
+                assert env["CONVEYOR_AUTOSCALER_DOCKER_URL"] == "unix:///var/run/docker.sock"
+                env["CONVEYOR_AUTOSCALER_DOCKER_URL"] = run.docker_url
             argv = [network.rewrite(arg, address) for arg in [*entrypoint, *service["command"]]]
             with open(workdir / "container.log", "ab") as log:
                 process = subprocess.Popen(

@@ -1,13 +1,14 @@
 """The data plane end to end on one embedded stack whose object store is S3 (`conveyor up
 --s3` against a moto server), one process per service: a normal run and a run over an npz
 dataset in S3 train every sample exactly once, bad input fails cleanly without hurting the
-stack, and a trainer SIGKILLed mid-job is replaced and its job still trains every sample
-exactly once. (The flow-control stack of test_e2e_flow.py covers the file:// object store.)
-A real Prometheus with the project's scrape configuration scrapes the stack during the normal
-run and answers every panel of the Grafana dashboard.
+stack, and a trainer SIGKILLed mid-job is restarted by the supervisor and its job still trains
+every sample exactly once; the autoscaler grows the pool of a starving job and shrinks it after.
+(The flow-control stack of test_e2e_flow.py covers the file:// object store.) A real Prometheus
+with the project's scrape configuration scrapes the stack during the normal run and answers
+every panel of the Grafana dashboard.
 
 The tests share one stack (starting one costs ~30 s on two loaded cores) and run in file
-order; the trainer restart, which leaves the recorded trainer dead, is last.
+order.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from e2e_stack import (
     digits_arrays,
     digits_spec,
     list_topics,
+    metric_sum,
     pack_dataset,
     running_stack,
     wait_for,
@@ -44,13 +46,23 @@ from prometheus_server import DASHBOARD, PrometheusServer
 from servers import headless_chromium, require_binary
 
 from conveyor.embedded import registry
+from conveyor.embedded.procs import is_alive
 from conveyor.embedded.report import probe_stack
+from conveyor.embedded.state import ServiceInfo, load_state
 from conveyor.platform.config import StorageSettings
 from conveyor.training.checkpoint import CheckpointStore
 from conveyor.training.datasets.pack import pack_npz
 from conveyor.training.exported import load_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+AUTOSCALER_ENV = {
+    # Quick to act, so a short job shows a whole cycle; the pool is 1 or 2 preprocessors.
+    "CONVEYOR_AUTOSCALER_INTERVAL_S": "0.5",
+    "CONVEYOR_AUTOSCALER_UP_INTERVAL_S": "3",
+    "CONVEYOR_AUTOSCALER_COOLDOWN_S": "4",
+    "CONVEYOR_AUTOSCALER_MAX_REPLICAS": "2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +110,7 @@ def stack(
         s3_region=s3["region"],
     )
     state_dir = tmp_path_factory.mktemp("pipeline") / "state"
-    with running_stack(state_dir, args=args, storage=storage) as running:
+    with running_stack(state_dir, args=args, env=AUTOSCALER_ENV, storage=storage) as running:
         assert running.state.storage_uri == storage_uri
         assert running.state.dataset_roots == (
             f"file://{data_dir}", f"s3://{s3['bucket']}/datasets",
@@ -349,12 +361,72 @@ def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
     assert_exactly_once(stack.ledger(good), stack.train_ids(job), epochs=1)
 
 
-def test_trainer_killed_mid_job_is_replaced_without_loss_or_repeat(stack: RunningStack) -> None:
-    # The job's training state lives in the aggregators' slice owners: a replacement trainer
-    # joins at the newest parameter version and trains on; the batches the dead one held but
-    # whose step never closed are redelivered to it (uncommitted), the applied ones are not
-    # trained again.
-    env = stack.environ_of("trainer")  # the replacement runs with the stack's settings
+def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
+    stack: RunningStack,
+) -> None:
+    # Decoding costs 3 ms of CPU per sample: one preprocessor cannot feed the trainer, and
+    # shard tasks wait for it. (On two cores a second one cannot feed it either: the pool
+    # stays at its ceiling without flapping; the policy's own tests show it holding once fed.)
+    gateway = stack.state.gateway_url
+
+    def autoscaler() -> dict[str, Any]:
+        status: dict[str, Any] = httpx.get(f"{gateway}/v1/autoscaler", timeout=5).json()
+        return status
+
+    def pool() -> list[ServiceInfo]:
+        state = load_state(stack.state_dir)
+        assert state is not None
+        return [s for s in state.services if s.name.startswith("preprocessor")]
+
+    # Earlier jobs of this stack may have grown the pool: it is back to 1 after the cooldown.
+    wait_for(lambda: len(pool()) == 1, timeout_s=30, what="a pool of one preprocessor")
+    changes_before = autoscaler()["changes"]
+    spec = digits_spec(
+        "autoscale",
+        epochs=8,
+        preprocess={"normalize": {"mean": [0.5], "std": [0.5]},
+                    "augment": [{"name": "cpu_cost", "ms": 3.0}]},
+    )  # fmt: skip
+    job_id = stack.submit(spec)
+    up = wait_for(
+        lambda: next((d for d in autoscaler()["decisions"] if d["action"] == "up"
+                      and any(j["job_id"] == job_id for j in d["jobs"])), None),
+        timeout_s=60, what="a step up for the job",
+    )  # fmt: skip
+    assert (up["replicas_before"], up["replicas_after"]) == (1, 2)
+    (inputs,) = [j for j in up["jobs"] if j["job_id"] == job_id]
+    assert inputs["data_wait_ratio"] > 0.05 and up["shards_lag"] > 0, up
+    added = next(s for s in pool() if s.name == "preprocessor-2")
+
+    def added_produced() -> bool:
+        try:  # refused while it starts (it imports torch)
+            metrics = stack.metrics(added)
+        except httpx.TransportError:
+            return False
+        return metric_sum(metrics, "conveyor_preprocessor_batches_total") > 0
+
+    wait_for(added_produced, timeout_s=120, interval_s=0.5, what="preprocessor-2 to produce")
+
+    job = stack.wait_job(job_id, timeout_s=150)
+    assert_completed_summary(stack, job, epochs=8)
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=8)
+
+    # The work is gone: one cooldown later the pool is back to its minimum, the added
+    # process stopped (gracefully) and out of stack.json.
+    wait_for(lambda: len(pool()) == 1, timeout_s=30, what="the pool back to one")
+    wait_for(lambda: not is_alive(added.process), timeout_s=30, what="preprocessor-2 to stop")
+    status = autoscaler()
+    down = status["decisions"][0]
+    assert (down["action"], down["replicas_before"], down["replicas_after"]) == ("down", 2, 1)
+    assert "work is gone" in down["reason"]
+    assert status["changes"] - changes_before == 2  # up, down: no flapping
+
+
+def test_trainer_killed_mid_job_is_restarted_without_loss_or_repeat(stack: RunningStack) -> None:
+    # The job's training state lives in the aggregators' slice owners: the supervisor (the
+    # autoscaler's local driver) starts the trainer again, which joins at the newest parameter
+    # version and trains on; the batches the dead one held but whose step never closed are
+    # redelivered to it (uncommitted), the applied ones are not trained again.
     job_id = stack.submit(digits_spec("trainer-restart"))
 
     def some_steps_applied() -> dict[str, Any] | None:
@@ -362,22 +434,39 @@ def test_trainer_killed_mid_job_is_replaced_without_loss_or_repeat(stack: Runnin
         return job if job["progress"]["step"] >= 5 else None
 
     at_kill = wait_for(some_steps_applied, timeout_s=90, interval_s=0.05, what="5 steps")
+    victim = stack.service("trainer")
+    log_path = Path(victim.process.log_path)
+    log_before = log_path.stat().st_size
     stack.kill("trainer")
     assert stack.job(job_id)["state"] == "running"
     steps_total = at_kill["plan"]["steps_per_epoch"] * 2
     assert at_kill["progress"]["step"] < steps_total
 
-    replacement = stack.start_extra("trainer-2", "trainer", env)
+    def restarted() -> ServiceInfo | None:
+        state = load_state(stack.state_dir)
+        assert state is not None
+        info = next(s for s in state.services if s.name == "trainer")
+        return info if info.process.pid != victim.process.pid and is_alive(info.process) else None
+
+    # Back within seconds: the first restart waits the 1 s backoff.
+    replacement = wait_for(restarted, timeout_s=10, what="the supervisor to restart the trainer")
+    assert replacement.port == victim.port and replacement.process.log_path == str(log_path)
     job = stack.wait_job(job_id, timeout_s=120)
     assert_completed_summary(stack, job, epochs=2)
     assert job["summary"]["eval_accuracy"] > 0.8
     assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
     # The gateway reports the coordinator's totals: no sample counted twice across trainers.
     assert job["progress"]["samples_trained"] == job["summary"]["samples"]
-    log = Path(replacement.process.log_path).read_text()
-    joined = re.search(rf"job {job_id}: joined at version (\d+)", log)
-    assert joined is not None, "the replacement trainer did not join the job"
+    with open(log_path, "rb") as log:
+        log.seek(log_before)
+        joined = re.search(rf"job {job_id}: joined at version (\d+)", log.read().decode())
+    assert joined is not None, "the restarted trainer did not join the job"
     assert at_kill["progress"]["step"] <= int(joined.group(1)) < steps_total
+    # The restart is on the autoscaler's topic, shown by the gateway.
+    restarts = httpx.get(f"{stack.state.gateway_url}/v1/autoscaler", timeout=5).json()["restarts"]
+    assert [(r["instance"], r["old_pid"], r["new_pid"]) for r in restarts] == [
+        ("trainer", victim.process.pid, replacement.process.pid)
+    ]
 
 
 def test_the_readmes_curl_examples_run_against_the_stack(

@@ -147,7 +147,8 @@ async def test_creates_the_global_topics_with_the_topologys_partitions(
     topics = Topics(kafka_settings.topic_prefix)
     topology = TopologySettings(jobs_partitions=3, shards_partitions=5)
     async with running_sharder(kafka_settings, topology):
-        for name, partitions in [(topics.jobs, 3), (topics.shards, 5), (topics.dlq, 1)]:
+        expected = [(topics.jobs, 3), (topics.shards, 5), (topics.autoscaler, 1), (topics.dlq, 1)]
+        for name, partitions in expected:
             async with TopicReader(kafka_settings, name) as topic:
                 assert topic.partitions == partitions, name
 

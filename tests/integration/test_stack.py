@@ -27,8 +27,10 @@ from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.registry import ServiceSpec
 from conveyor.embedded.report import probe_stack
 from conveyor.embedded.stack import StackConfig, StackError, start_stack, stop_stack
-from conveyor.embedded.state import StackState, load_state
+from conveyor.embedded.state import StackState, load_state, state_lock
+from conveyor.embedded.supervisor import LocalDriver
 from conveyor.platform.config import StorageSettings
+from conveyor.services.autoscaler.drivers import DriverError
 
 
 def _env() -> dict[str, str]:
@@ -392,3 +394,86 @@ def test_scaling_an_unregistered_service_starts_nothing(tmp_path: Path) -> None:
     with pytest.raises(StackError, match="unregistered service"):
         start_stack(replace(config, scale={"nope": 2}), **kwargs)
     assert load_state(config.state_dir) is None
+
+
+def _serving_pid(health_url: str, timeout_s: float = 20.0) -> int:
+    """The pid that answers ``health_url``, once one does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return int(httpx.get(health_url, timeout=2).json()["pid"])
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_supervisor_restarts_dead_services_and_scales_the_pool(tmp_path: Path) -> None:
+    config, kwargs = _stack(tmp_path, {"gateway": "ok", "preprocessor": "ok", "trainer": "ok"})
+    state = start_stack(config, **kwargs).state
+    try:
+        gateway, preprocessor, trainer = state.services
+        seen = httpx.get(trainer.health_url, timeout=5).json()  # its CONVEYOR_* settings
+        env = {**os.environ, **{k: v for k, v in seen.items() if k.startswith("CONVEYOR_")}}
+        driver = LocalDriver(
+            state_dir=config.state_dir, env=env, own_pid=gateway.process.pid, backoff_s=0.3,
+            backoff_max_s=1.0, reset_s=60.0, stop_timeout_s=2.0, argv_for=kwargs["argv_for"],
+        )  # fmt: skip
+        os.kill(trainer.process.pid, signal.SIGKILL)
+        assert _pid_gone(trainer.process.pid)
+        os.kill(gateway.process.pid, signal.SIGKILL)  # stands for the supervisor's own process
+        assert _pid_gone(gateway.process.pid)
+        restarts = asyncio.run(driver.supervise())
+        assert restarts == []  # seen dead now: the backoff starts
+        time.sleep(0.3)
+        (restart,) = asyncio.run(driver.supervise())
+        assert (restart.service, restart.instance, restart.old_pid, restart.restarts) == (
+            "trainer", "trainer", trainer.process.pid, 1,
+        )  # fmt: skip
+        assert restart.backoff_s >= 0.3
+        recorded = load_state(config.state_dir)
+        assert recorded is not None
+        again = next(s for s in recorded.services if s.name == "trainer")
+        assert again.process.pid == restart.new_pid != trainer.process.pid
+        assert (again.port, again.process.log_path) == (trainer.port, trainer.process.log_path)
+        assert _serving_pid(again.health_url) == restart.new_pid
+        assert asyncio.run(driver.supervise()) == []
+
+        asyncio.run(driver.scale(3))
+        grown = load_state(config.state_dir)
+        assert grown is not None
+        assert [s.name for s in grown.services] == [
+            "gateway", "preprocessor", "trainer", "preprocessor-2", "preprocessor-3",
+        ]  # fmt: skip
+        added = grown.services[3:]
+        assert len({s.port for s in grown.services}) == 5
+        assert [_serving_pid(info.health_url) for info in added] == [
+            info.process.pid for info in added
+        ]
+        assert asyncio.run(driver.replicas()) == 3
+
+        asyncio.run(driver.scale(1))
+        shrunk = load_state(config.state_dir)
+        assert shrunk is not None
+        assert [s.name for s in shrunk.services] == ["gateway", "preprocessor", "trainer"]
+        assert all(_pid_gone(info.process.pid) for info in added)
+        assert is_alive(preprocessor.process)
+
+        # While `conveyor up` or `down` holds the state lock, the supervisor changes nothing.
+        os.kill(restart.new_pid, signal.SIGKILL)
+        assert _pid_gone(restart.new_pid)
+        with state_lock(config.state_dir):
+            time.sleep(0.7)  # past the doubled backoff
+            assert asyncio.run(driver.supervise()) == []
+            with pytest.raises(DriverError, match="being started or stopped"):
+                asyncio.run(driver.scale(2))
+        seen_at = time.monotonic()  # the backoff (0.6 s: the second restart) starts now
+        while not (found := asyncio.run(driver.supervise())):
+            time.sleep(0.05)
+        (second,) = found
+        assert (second.instance, second.old_pid, second.restarts) == ("trainer", restart.new_pid, 2)
+        assert time.monotonic() - seen_at >= 0.6
+    finally:
+        stop_stack(config.state_dir, timeout_s=2.0)
+    recorded_pids = [second.new_pid, *(info.process.pid for info in added)]
+    assert all(_pid_gone(pid) for pid in recorded_pids)

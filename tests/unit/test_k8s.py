@@ -235,7 +235,9 @@ def test_a_deployment_runs_every_registered_service(base: list[Document]) -> Non
         ]
         security = pod["spec"]["securityContext"]
         assert security["runAsNonRoot"] and str(security["runAsUser"]) == user
-        assert pod["spec"]["serviceAccountName"] == "conveyor"
+        # Only the autoscaler talks to the Kubernetes API (rbac.yaml).
+        account = "conveyor-autoscaler" if name == "autoscaler" else "conveyor"
+        assert pod["spec"]["serviceAccountName"] == account, name
         annotations = pod["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(port), name
 

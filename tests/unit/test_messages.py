@@ -307,7 +307,8 @@ def test_topic_layout() -> None:
     topics = Topics("conveyor.")
     shared = topics.global_topics(jobs_partitions=4, shards_partitions=8)
     assert [(t.name, t.partitions) for t in shared] == [
-        ("conveyor.jobs", 4), ("conveyor.shards", 8), ("conveyor.dlq", 1),
+        ("conveyor.jobs", 4), ("conveyor.shards", 8), ("conveyor.autoscaler", 1),
+        ("conveyor.dlq", 1),
     ]  # fmt: skip
     per_job = topics.job_topic_specs("j1", batches_partitions=6, slices=3)
     assert {t.name: t.partitions for t in per_job} == {

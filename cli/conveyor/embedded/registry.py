@@ -48,6 +48,10 @@ SERVICES: dict[str, ServiceSpec] = {
     "trainer": ServiceSpec(entry="conveyor.services.trainer.main:main"),
     "aggregator": ServiceSpec(entry="conveyor.services.aggregator.main:main"),
     "checkpointer": ServiceSpec(entry="conveyor.services.checkpointer.main:main"),
+    # Last: `conveyor down` stops services in reverse order, so the supervisor goes first and
+    # restarts nothing that is being stopped. Its entry lives with the embedded stack because
+    # the local driver works on stack.json (conveyor.embedded.supervisor).
+    "autoscaler": ServiceSpec(entry="conveyor.embedded.supervisor:main"),
 }
 """Registered services by name, in the order ``conveyor up`` starts them."""
 

@@ -101,6 +101,14 @@ def _service_env(config: StackConfig, bootstrap: str, port: int) -> dict[str, st
         CONVEYOR_TELEMETRY_HTTP_PORT=str(port),
         PYTHONUNBUFFERED="1",  # log lines reach the log file as they happen
     )
+    # The autoscaler's local driver supervises this stack (its processes, stack.json); a user's
+    # own settings win. Its floor is the preprocessors asked for (none asked: none added).
+    preprocessors = config.scale.get("preprocessor", 1)
+    env.setdefault("CONVEYOR_AUTOSCALER_DRIVER", "local")
+    env.setdefault("CONVEYOR_AUTOSCALER_STACK_DIR", str(config.state_dir.resolve()))
+    env.setdefault("CONVEYOR_AUTOSCALER_MIN_REPLICAS", str(preprocessors))
+    if preprocessors == 0:
+        env.setdefault("CONVEYOR_AUTOSCALER_MAX_REPLICAS", "0")
     optional = {
         "CONVEYOR_STORAGE_S3_ENDPOINT": storage.s3_endpoint,
         "CONVEYOR_STORAGE_S3_ACCESS_KEY": storage.s3_access_key,
@@ -112,7 +120,9 @@ def _service_env(config: StackConfig, bootstrap: str, port: int) -> dict[str, st
     return env
 
 
-def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start a stack process detached (its own session), appending its output to
+    ``log_path``."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             argv,
@@ -193,7 +203,7 @@ def _start_fresh(
         for (instance, name, spec), port in zip(instances, ports, strict=True):
             notify(f"Starting service {instance}")
             log_path = logs / f"{instance}.log"
-            process = _spawn(argv_for(name), _service_env(config, bootstrap, port), log_path)
+            process = spawn(argv_for(name), _service_env(config, bootstrap, port), log_path)
             info = ServiceInfo(
                 name=instance,
                 process=ProcessInfo.of(process.pid, log_path),

@@ -168,12 +168,18 @@ def remove_state(state_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def state_lock(state_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the state directory, so two ``up``/``down`` never interleave."""
+def state_lock(state_dir: Path, *, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on the state directory, so two ``up``/``down`` (or the
+    supervisor's changes) never interleave. Yields True once held; with ``wait=False`` yields
+    False at once, holding nothing, when another process holds it."""
     state_dir.mkdir(parents=True, exist_ok=True)
     with open(state_dir / ".lock", "w") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

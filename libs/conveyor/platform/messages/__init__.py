@@ -99,9 +99,18 @@ from conveyor.platform.messages.gradient_plane import (
     sample_ids_tensor,
 )
 
+# isort: split
+from conveyor.platform.messages.scaling import (
+    SCALING_ACTIONS,
+    JobSignals,
+    ScalingDecision,
+    ServiceRestarted,
+)
+
 __all__ = [
     "COORDINATOR_WORKER_ID",
     "ENVELOPE_KEYS",
+    "SCALING_ACTIONS",
     "SPLITS",
     "TERMINAL_EVENTS",
     "AppliedContribution",
@@ -127,6 +136,7 @@ __all__ = [
     "JobFailed",
     "JobPlanned",
     "JobResumed",
+    "JobSignals",
     "JobSubmitted",
     "Message",
     "MessageSchema",
@@ -135,6 +145,8 @@ __all__ = [
     "Rejection",
     "ResumePoint",
     "SamplesSkipped",
+    "ScalingDecision",
+    "ServiceRestarted",
     "ShardTask",
     "SliceSaved",
     "StepClose",

@@ -16,6 +16,8 @@ _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 DLQ_PARTITIONS = 1
 """Partitions of the dead-letter topic: people read it, no consumer group shares it."""
+AUTOSCALER_PARTITIONS = 1
+"""Partitions of the autoscaler's topic: its decisions are read as one log, in order."""
 CONTROL_PARTITIONS = 1
 """Partitions of a job's control topic: every reader folds the whole log in one order."""
 
@@ -73,6 +75,12 @@ class Topics:
         return f"{self.prefix}shards"
 
     @property
+    def autoscaler(self) -> str:
+        """The autoscaler's decisions and its supervisor's restarts (:class:`ScalingDecision`,
+        :class:`ServiceRestarted`), read by the gateway."""
+        return f"{self.prefix}autoscaler"
+
+    @property
     def dlq(self) -> str:
         """Records that failed to decode or validate (:class:`DeadLetter`)."""
         return f"{self.prefix}dlq"
@@ -106,10 +114,12 @@ class Topics:
         self, *, jobs_partitions: int, shards_partitions: int
     ) -> tuple[TopicSpec, ...]:
         """The topics every job shares, created once by the sharder: jobs, shards (its
-        partitions bound the preprocessors that work at once) and the dead-letter topic."""
+        partitions bound the preprocessors that work at once), the autoscaler's log (one
+        partition: one log in decision order) and the dead-letter topic."""
         return (
             TopicSpec(self.jobs, partitions=jobs_partitions),
             TopicSpec(self.shards, partitions=shards_partitions),
+            TopicSpec(self.autoscaler, partitions=AUTOSCALER_PARTITIONS),
             TopicSpec(self.dlq, partitions=DLQ_PARTITIONS),
         )
 

@@ -189,3 +189,15 @@ class CheckpointList(BaseModel):
 
 class ErrorBody(BaseModel):
     detail: str
+
+
+class AutoscalerStatus(BaseModel):
+    """``GET /v1/autoscaler``: the records of the autoscaler topic, as plain values."""
+
+    state: dict[str, Any] | None = Field(
+        description="The latest ScalingDecision (replicas, bounds, reason, inputs); null before "
+        "the autoscaler's first."
+    )
+    changes: int = Field(description="Decisions that changed the pool since the topic began.")
+    decisions: list[dict[str, Any]] = Field(description="Recent changes, newest first (<= 50).")
+    restarts: list[dict[str, Any]] = Field(description="Recent restarts, newest first (<= 50).")

@@ -30,6 +30,7 @@ from conveyor.platform.messages import (
 from conveyor.platform.service import Service
 from conveyor.platform.storage import StorageError
 from conveyor.services.gateway.artifacts import JobArtifacts
+from conveyor.services.gateway.autoscaling import AutoscalerLog
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.errors import (
     GatewayUnavailable,
@@ -92,6 +93,7 @@ class GatewayService(Service):
         self.topics = Topics(kafka.topic_prefix)
         self.view = JobsView(stage_window=settings.stage_window)
         self.hub = EventHub(max_events=settings.sse_queue_events)
+        self.autoscaler = AutoscalerLog()
         self._tail: JobsTail | None = None
         self._producer: Producer | None = None
         self._key_locks: dict[str, asyncio.Lock] = {}
@@ -100,7 +102,8 @@ class GatewayService(Service):
 
     async def run(self) -> None:
         await wait_for_topics(self.kafka, [self.topics.jobs])
-        async with Producer(self.kafka) as producer:
+        async with Producer(self.kafka) as producer, asyncio.TaskGroup() as group:
+            group.create_task(self.autoscaler.follow(self.kafka, self.topics.autoscaler))
             tail = JobsTail(self.kafka, self.topics.jobs, self.view, self.hub)
             await tail.start()
             try:

@@ -16,7 +16,7 @@ from conveyor.services.gateway.errors import (
     JobNotRunning,
     LocationsRefused,
 )
-from conveyor.services.gateway.routes import artifacts, jobs, pages, queue
+from conveyor.services.gateway.routes import artifacts, autoscaler, jobs, pages, queue
 from conveyor.services.gateway.routes.deps import JobsBackend, require_token
 
 _STATUS: dict[type[GatewayError], int] = {
@@ -60,6 +60,7 @@ def install_routes(app: FastAPI, backend: JobsBackend) -> None:
     app.state.jobs_backend = backend
     app.include_router(jobs.router, dependencies=[Depends(require_token)])
     app.include_router(artifacts.router, dependencies=[Depends(require_token)])
+    app.include_router(autoscaler.router, dependencies=[Depends(require_token)])
     app.include_router(queue.router, dependencies=[Depends(require_token)])
     app.include_router(pages.router, dependencies=[Depends(require_token)])
     app.add_exception_handler(GatewayError, _gateway_error)

@@ -9,6 +9,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from conveyor.services.gateway.artifacts import JobArtifacts
+from conveyor.services.gateway.autoscaling import AutoscalerLog
 from conveyor.services.gateway.config import GatewaySettings
 from conveyor.services.gateway.events import EventHub
 from conveyor.services.gateway.schemas import ShownState
@@ -23,6 +24,7 @@ class JobsBackend(Protocol):
     settings: GatewaySettings
     hub: EventHub
     artifacts: JobArtifacts
+    autoscaler: AutoscalerLog
 
     def get_job(self, job_id: str) -> JobView: ...
 

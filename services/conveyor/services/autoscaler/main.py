@@ -1,0 +1,34 @@
+"""Entry point of the autoscaler outside the embedded stack: read the settings, build the
+``docker`` or ``kubernetes`` driver, run the service. (``conveyor service autoscaler`` runs
+:mod:`conveyor.embedded.supervisor`, which adds the ``local`` driver and calls :func:`run`.)"""
+
+from __future__ import annotations
+
+from conveyor.platform.config import KafkaSettings, TelemetrySettings
+from conveyor.platform.service import run_service
+from conveyor.services.autoscaler.config import AutoscalerSettings
+from conveyor.services.autoscaler.drivers import ScaleDriver
+from conveyor.services.autoscaler.drivers.docker import DockerDriver, engine_client
+from conveyor.services.autoscaler.drivers.kubernetes import KubernetesDriver, api_client
+from conveyor.services.autoscaler.service import POOL, AutoscalerService
+
+
+def remote_driver(settings: AutoscalerSettings) -> ScaleDriver:
+    """The ``docker`` or ``kubernetes`` driver the settings name; ValueError for ``local``
+    (it needs the embedded stack) and DriverError when Kubernetes has no configuration."""
+    if settings.driver == "docker":
+        assert settings.docker_project is not None  # the settings check it
+        return DockerDriver(client=engine_client(settings.docker_url),
+                            project=settings.docker_project, service=POOL)  # fmt: skip
+    if settings.driver == "kubernetes":
+        return KubernetesDriver(api=api_client(settings.kubernetes_api_url),
+                                namespace=settings.kubernetes_namespace,
+                                deployment=settings.kubernetes_deployment)  # fmt: skip
+    raise ValueError("the local driver runs inside the embedded stack (conveyor up)")
+
+
+def run(settings: AutoscalerSettings, driver: ScaleDriver) -> int:
+    """Run the service with ``driver`` until SIGTERM/SIGINT; returns the exit code."""
+    service = AutoscalerService(settings=settings, driver=driver, kafka=KafkaSettings(),
+                                telemetry=TelemetrySettings())  # fmt: skip
+    return run_service(service)

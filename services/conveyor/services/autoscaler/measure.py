@@ -1,0 +1,71 @@
+"""The autoscaler's measurements: the running jobs' data wait (their trainers' progress events
+on ``conveyor.jobs``, folded into a :class:`JobsView`), the consumer lag of the preprocessor
+group and of each job's trainers, and the preprocessor group's throughput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.platform.bus.group_lag import GroupLagReader
+from conveyor.platform.messages import JobSignals, Topics
+from conveyor.training.jobview import JobsView, JobView
+
+RUNNING_STATES = ("planned", "running")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Measurement:
+    """One look at the pool's work (lags in records, times in unix seconds)."""
+
+    at: float
+    partitions: int
+    """Partitions of the shards topic."""
+    shards_lag: int
+    shards_per_second: float | None
+    """Shard tasks committed by the preprocessor group per second since the last look."""
+    jobs: list[JobSignals]
+
+
+def job_signals(job: JobView, *, now: float, max_age_s: float, batches_lag: int) -> JobSignals:
+    """The job's trainers' mean recent data wait over the reports younger than ``max_age_s``."""
+    fresh = [
+        worker.data_wait_ratio
+        for worker in job.workers.values()
+        if now - worker.at <= max_age_s and worker.data_wait_ratio is not None
+    ]
+    ratio = min(1.0, max(0.0, sum(fresh) / len(fresh))) if fresh else None
+    return JobSignals(job_id=job.job_id, trainers=len(fresh), data_wait_ratio=ratio,
+                      batches_lag=batches_lag)  # fmt: skip
+
+
+class Meter:
+    """Takes :class:`Measurement` s; keeps the last committed total for the throughput."""
+
+    def __init__(
+        self, *, lags: GroupLagReader, view: JobsView, topics: Topics, max_age_s: float
+    ) -> None:
+        self._lags = lags
+        self._view = view
+        self._topics = topics
+        self._max_age_s = max_age_s
+        self._last: tuple[float, int] | None = None
+        """(at, shard tasks committed) of the previous look."""
+
+    async def measure(self, now: float) -> Measurement:
+        """Raises BusError when the broker cannot be read."""
+        topics = self._topics
+        partitions = len(await self._lags.partitions(topics.shards))
+        shards = await self._lags.progress(topics.preprocessor_group, topics.shards)
+        running = [job for job in self._view.list(limit=10_000) if job.state in RUNNING_STATES]
+        jobs = []
+        for job in running:
+            batches = await self._lags.progress(topics.trainer_group(job.job_id),
+                                                topics.batches(job.job_id))  # fmt: skip
+            jobs.append(job_signals(job, now=now, max_age_s=self._max_age_s,
+                                    batches_lag=batches.lag))  # fmt: skip
+        done, rate = shards.committed, None
+        if self._last is not None and now > self._last[0]:
+            rate = max(0.0, (done - self._last[1]) / (now - self._last[0]))
+        self._last = (now, done)
+        return Measurement(at=now, partitions=partitions, shards_lag=shards.lag,
+                           shards_per_second=rate, jobs=jobs)  # fmt: skip
