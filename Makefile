@@ -40,15 +40,16 @@ bench: $(STAMP)
 # requirements.lock is what the service image installs (base dependencies, no extras),
 # requirements-dev.lock what `make test` installs. torch is left out of both: pyproject.toml pins
 # it exactly, and its build (CPU or CUDA, and so its dependencies) depends on the machine.
+# The image lock is compiled within the dev lock's pins: the image runs what the tests ran.
 LOCK_FLAGS := --quiet --strip-extras --no-emit-index-url --no-emit-find-links \
 	--unsafe-package torch --unsafe-package conveyor
 lock:
 	tmp=$$(mktemp -d) && $(PYTHON) -m venv $$tmp \
 	&& $$tmp/bin/python -m pip install --quiet pip-tools \
-	&& CUSTOM_COMPILE_COMMAND="make lock" $$tmp/bin/pip-compile $(LOCK_FLAGS) \
-		--output-file requirements.lock pyproject.toml \
 	&& CUSTOM_COMPILE_COMMAND="make lock" $$tmp/bin/pip-compile $(LOCK_FLAGS) --extra dev \
 		--output-file requirements-dev.lock pyproject.toml \
+	&& CUSTOM_COMPILE_COMMAND="make lock" $$tmp/bin/pip-compile $(LOCK_FLAGS) \
+		--constraint requirements-dev.lock --output-file requirements.lock pyproject.toml \
 	; status=$$?; rm -rf $$tmp; exit $$status
 
 clean:

@@ -213,7 +213,7 @@ def test_decode_rejects_bool_tensors_holding_other_bytes() -> None:
 
 def test_decode_runs_the_schema_checks() -> None:
     header = {
-        "v": 1, "type": "Batch", "job_id": "j", "batch_id": "b", "shard_id": "s", "epoch": 0,
+        "v": 2, "type": "Batch", "job_id": "j", "batch_id": "b", "shard_id": "s", "epoch": 0,
         "split": "test", "sample_ids": [1], "timestamps": {},
         "x": {"dtype": "uint8", "shape": [1, 1, 2, 2], "offset": 0, "nbytes": 4},
         "y": {"dtype": "int64", "shape": [1], "offset": 64, "nbytes": 8},

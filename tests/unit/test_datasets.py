@@ -111,7 +111,8 @@ def test_bad_uris_raise_clear_dataset_errors(uri: str, message: str) -> None:
 
 def test_known_schemes() -> None:
     assert known_schemes() == [
-        "builtin", "imagefolder", "mnist-idx", "npz", "parquet", "synthetic", "webdataset",
+        "builtin", "imagefolder", "mnist-idx", "npz", "parquet", "synthetic", "tokens",
+        "webdataset",
     ]  # fmt: skip
 
 
