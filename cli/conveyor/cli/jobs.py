@@ -92,7 +92,7 @@ def gateway_for(
     url = gateway
     if url is None:
         state = load_state(state_dir)
-        if state is None or not probe_stack(state).healthy:
+        if state is None or not probe_stack(state).serves_clients:
             if not start:
                 raise ConveyorError(
                     f"no healthy Conveyor stack in {state_dir}: run `conveyor up` or pass --gateway"

@@ -36,6 +36,14 @@ class StackReport:
     def healthy(self) -> bool:
         return all(c.healthy for c in self.components)
 
+    @property
+    def serves_clients(self) -> bool:
+        """The broker, the store and the gateway answer: what a client command needs. The
+        other services may be restarting (the supervisor) or being added or removed (the
+        autoscaler) at any moment without the stack being any less usable."""
+        needed = [c for c in self.components if c.kind != "service" or c.name == "gateway"]
+        return any(c.name == "gateway" for c in needed) and all(c.healthy for c in needed)
+
 
 def probe_stack(state: StackState) -> StackReport:
     """Probe every recorded component: pid alive, broker metadata, store, /healthz."""
