@@ -170,7 +170,9 @@ def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exact
                  timeout_s=60, what="the job to come back by itself")  # fmt: skip
         job = again.wait_job(job_id, timeout_s=180)
         assert job["state"] == "completed", job.get("reason")
-        assert job["resumed_from"] >= version + 5, (job["resumed_from"], version)
+        # The newest *usable* checkpoint: a later one whose ended epoch's eval it lacks is not,
+        # so on a fast machine this can be the first resume's own checkpoint again.
+        assert job["resumed_from"] >= version, (job["resumed_from"], version)
         summary = job["summary"]
         assert summary["steps"] == job["plan"]["steps_per_epoch"] * epochs, summary
         assert summary["epochs"] == epochs
