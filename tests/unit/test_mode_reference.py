@@ -17,7 +17,6 @@ from loadtests.distorted_digits import distorted_digits
 from loadtests.mode_reference import Arrays, reference_accuracy
 
 
-
 @pytest.fixture(scope="module")
 def data() -> Arrays:
     """640 of the plain 8x8 digits: a tiny model learns them in a few dozen steps."""
