@@ -13,7 +13,9 @@ batches, grads and params topics while it runs, then checks:
    s, some are stale, the summary agrees, every train sample is applied exactly once, and
    the stale gradients were applied as computed on their base versions (the replay).
 3. Compression: top-k (1 %, error feedback) and fp16 against dense on the same job: the
-   gradient bytes on the wire, counted from the GradSlices themselves and as reported.
+   gradient bytes on the wire, counted from the GradSlices themselves and as reported; the
+   top-k run equals a single-process replay whose gradients go through each worker's own
+   encoder (sparse updates weighted by samples, momentum correction on the trainers).
 
 The jobs share one pipeline (module fixture); each job gets its own two trainers, which must
 be free again right after their job completed.
@@ -38,6 +40,8 @@ from torch import nn
 
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import GradSlice
+from conveyor.services.trainer.plane.gradients import SliceEncoder
+from conveyor.training.compression import decode_slice
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.slicing import ParamLayout, build_job_model
 
@@ -236,6 +240,25 @@ async def test_topk_and_fp16_cut_the_gradient_bytes_on_the_wire(plane: Plane) ->
     assert dense_mean / topk_mean >= 60
     totals = {r.job_id: r.summary["grad_bytes_total"] for r in (dense, topk, fp16)}
     print(f"grad bytes per contribution {per_contribution}; job totals {totals}")
+    assert_topk_replays(topk, bounds)
+
+
+def assert_topk_replays(run: Run, bounds: list[tuple[int, int]]) -> None:
+    """The sparse updates are weighted and applied as one process computes them: each
+    worker's gradients through its own top-k encoder (error feedback, momentum correction:
+    the velocity on the trainer), decoded, summed, divided by the step's samples, one SGD
+    step without momentum (the aggregator's under momentum correction) at every version."""
+    assert not run.rejections  # a rejection would undo an encoding (not replayed here)
+    spec = JobSpec.from_dict(run.spec)
+    encoders: dict[str, SliceEncoder] = {}
+
+    def encode(worker: str, grad: torch.Tensor, samples: int) -> torch.Tensor:
+        encoder = encoders.setdefault(worker, SliceEncoder.for_job(spec, bounds))
+        slices = encoder.encode(grad, samples).slices
+        return torch.cat([decode_slice(s.encoding, s.values, s.indices, s.numel) for s in slices])
+
+    assert_replays(run, lambda ps: torch.optim.SGD(ps, lr=0.1), encode=encode)
+    assert set(encoders) == {"t-a", "t-b"}
 
 
 def _non_empty(run: Run) -> int:
