@@ -178,7 +178,7 @@ class JobAggregator:
         ):
             try:
                 async with asyncio.TaskGroup() as tasks:
-                    tasks.create_task(self._read_control(control))
+                    tasks.create_task(self._read_control(control, grads))
                     tasks.create_task(self._read_grads(grads))
                     tasks.create_task(self._engine(control, grads))
                     tasks.create_task(self._watch(control, grads))
@@ -192,7 +192,7 @@ class JobAggregator:
 
     # -- readers -----------------------------------------------------------------------------
 
-    async def _read_control(self, control: TopicTail) -> None:
+    async def _read_control(self, control: TopicTail, grads: Consumer) -> None:
         while True:
             started = time.monotonic()
             records = await control.get_many(_CONTROL_POLL_S)
@@ -204,6 +204,10 @@ class JobAggregator:
             if control.caught_up:
                 self._log_read.set()
             if records:
+                # The GradSlices a folded Contribution announces are fetched from now on, not
+                # once the engine gets round to it: it may be publishing this very step's close
+                # first, and the step waits for both.
+                grads.rest(not self._grads_wanted(grads))
                 self._wake.set()
                 self._folded.set()
             else:
