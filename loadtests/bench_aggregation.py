@@ -45,6 +45,7 @@ The last line printed is one JSON object:
 
     .venv/bin/python -m loadtests.bench_aggregation            # 3 repeats
     .venv/bin/python -m loadtests.bench_aggregation --quick    # smoke run
+    .venv/bin/python -m loadtests.bench_aggregation --quick --no-reference   # the stack only
 """
 
 from __future__ import annotations
@@ -489,6 +490,8 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
     for repeat in range(before_stack, args.repeats):
         measure_baselines(args, cases, runs, repeat)
         load.append(os.getloadavg()[0])
+    if args.no_reference:
+        return
     for kind, name in (("none", "dense"), ("topk", "topk")):
         spec = digits_spec(epochs=args.digits_epochs, compression=kind)
         runs.reference[name] = [
@@ -768,6 +771,9 @@ def main() -> None:
         "--resnet-repeats", type=int, default=1, help="repeats that include resnet18 (the first N)"
     )
     parser.add_argument("--baseline-steps", type=int, default=100, help="small_cnn timed steps")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="leave out the in-process top-k reference (minutes of CPU; "
+                        "topk_accuracy_delta is then the system's)")  # fmt: skip
     parser.add_argument("--investigate", type=int, default=0, metavar="SEEDS",
                         help="only run the in-process reference variants for SEEDS seeds "
                         "(no stack, no baselines)")  # fmt: skip
