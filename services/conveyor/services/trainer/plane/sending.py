@@ -40,8 +40,9 @@ class Computed:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepStamps:
-    """When a step's parameters and gradient were ready (Unix seconds; None: unknown), carried
-    in its Contribution to time the plane's hops (``Contribution`` v4)."""
+    """When a step's parameters and gradient were ready (Unix seconds), carried in its
+    Contribution to time the plane's hops (``Contribution`` v4). The parameters' stamps are
+    None when the loaded version did not come from the params topic."""
 
     params_published_at: float | None
     params_received_at: float | None
@@ -79,8 +80,7 @@ class ContributionSender:
         """Send the slices of ``encoded`` (the gradient accumulated by ``computed``, all of one
         epoch; local mode: the window's weighted delta, ``inner_steps`` passes per inner
         step), await their acks, publish the Contribution with ``stamps``; returns it as
-        :class:`Pending` and
-        the seconds it took. Raises ``BusError`` when the broker fails."""
+        :class:`Pending` and the seconds it took. Raises ``BusError`` when the broker fails."""
         session, contribution_id = self._session, self._next_id()
         started = time.perf_counter()
         batches = list({c.batch.batch_id: c.batch for c in computed}.values())  # each once
