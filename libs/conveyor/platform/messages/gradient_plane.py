@@ -99,9 +99,9 @@ class Contribution(Message):
     of the window, in order (their sum is the passes in ``sample_ids``); empty in sync and
     ssp mode (one step). Added in version 3."""
     params_published_at: float | None = None
-    """The latest ``ParamSlice.published_at`` of ``base_version``'s slices; None when the
-    trainer computed on parameters it did not receive from the topic (or before version 4).
-    Added in version 4, as are the next three."""
+    """The latest ``ParamSlice.published_at`` of ``base_version``'s slices (Unix seconds).
+    Added in version 4, as are the next three; all four are None in an empty contribution
+    (nothing was computed) and in one of an earlier version."""
     params_received_at: float | None = None
     """When this trainer held every slice of ``base_version`` (Unix seconds)."""
     started_at: float | None = None
