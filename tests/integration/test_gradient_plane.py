@@ -142,6 +142,22 @@ async def test_sync_training_equals_a_single_process_replay_of_its_step_closes(
     assert len(both) >= final // 2, "the steps were not shared by both trainers"
     assert_exactly_once(plane.objects, run.job_id, run.spec)
     assert_replays(run, make_optimizer)
+    assert_stamped_in_order(run)
+
+
+def assert_stamped_in_order(run: Run) -> None:
+    """Every contribution with samples times its step (loadtests/plane_hops.py): its base's
+    close, that version's last ParamSlice publish, its arrival, the step's start, the encoded
+    gradient and the acknowledged slices follow each other (one clock: one machine)."""
+    stamped = [c for c in run.contributions.values() if c.num_samples > 0 and c.base_version > 0]
+    assert len(stamped) >= 10
+    for c in stamped:
+        published = max(run.params[(p, c.base_version)].published_at
+                        for p in range(run.num_slices))  # fmt: skip
+        assert c.params_published_at == published, c.contribution_id
+        times = [run.closes[c.base_version].closed_at, c.params_published_at,
+                 c.params_received_at, c.started_at, c.computed_at, c.sent_at]  # fmt: skip
+        assert times == sorted(times), (c.contribution_id, times)
 
 
 # -- 2. bounded staleness ------------------------------------------------------------------
