@@ -14,6 +14,7 @@ from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorCon
 from conveyor.services.aggregator.membership import allocate
 from conveyor.services.trainer.plane.control import ControlState
 from conveyor.training.jobspec import JobSpec
+from conveyor.training.routing import shard_partitions
 
 JOB = "digits"
 EPOCHS = 5
@@ -54,45 +55,52 @@ def contribution(
 
 
 def train_in_lockstep(trainers: int, *, throughputs: list[float]) -> list[int]:
-    """Every trainer takes what its control fold says (batches always at hand, the current
-    epoch's only), the coordinator closes each step; returns the micro-batches of each
-    non-empty step."""
+    """Every trainer takes what its control fold says from the batches routed to it (each
+    epoch's batches spread by the coordinator's routing at the epoch's start over the
+    partitions the consumer group's round robin gives it), the coordinator closes each step;
+    returns the micro-batches of every step (0: an empty one)."""
     job = spec()
+    partitions = max(2, 2 * trainers)  # the sharder's default topology for the job
     coordinator = Coordinator(CoordinatorConfig(
         job_id=JOB, spec=job, train_batches_per_epoch=TRAIN_BATCHES, eval_batches_per_epoch=0,
-        dataset_samples=TRAIN_BATCHES,
+        dataset_samples=TRAIN_BATCHES, batches_partitions=partitions,
     ))  # fmt: skip
-    workers = [f"t{i}" for i in range(trainers)]
+    # Named so that sorting by id differs from the partitions' order: the turns must follow
+    # the partitions (what each trainer holds), not the ids.
+    workers = [f"t{(i * 3) % trainers}-{i}" for i in range(trainers)]
+    owned = {w: list(range(i, partitions, trainers)) for i, w in enumerate(workers)}
+    owner = {p: w for w, ps in owned.items() for p in ps}
     controls = {
         w: ControlState(worker_id=w, epochs=EPOCHS, train_batches_per_epoch=TRAIN_BATCHES,
                         eval_batches_per_epoch=0, member_timeout_s=10.0)
         for w in workers
     }  # fmt: skip
     for w, rate in zip(workers, throughputs, strict=True):
-        beat = heartbeat(JOB, w, at=T0, samples_per_second=rate)
+        beat = heartbeat(JOB, w, at=T0, samples_per_second=rate, batches_partitions=owned[w])
         coordinator.fold(beat)
         for control in controls.values():
             control.apply(beat)
-    next_batch = {e: 0 for e in range(EPOCHS)}
+    held: dict[str, list[int]] = {}
+    routed_epoch = -1
     steps: list[int] = []
     sequence = 0
     while not coordinator.training_finished:
+        if coordinator.current_epoch != routed_epoch:
+            routed_epoch = coordinator.current_epoch
+            routing = shard_partitions(0, TRAIN_BATCHES, coordinator.routing(T0), partitions)
+            held = {w: [b for b, p in enumerate(routing) if owner[p] == w] for w in workers}
         for w in workers:
             control = controls[w]
-            epoch = control.current_epoch
             wanted = control.micro_batches_for(job.micro_batches_per_step, T0)
-            first = next_batch[epoch]
-            taken = list(range(first, min(first + wanted, TRAIN_BATCHES)))
-            next_batch[epoch] += len(taken)
-            coordinator.fold(contribution(w, sequence, control.version, epoch, taken))
+            taken, held[w] = held[w][:wanted], held[w][wanted:]
+            coordinator.fold(contribution(w, sequence, control.version, routed_epoch, taken))
             sequence += 1
         decisions = coordinator.decide(T0)
         assert decisions.rejections == [] and decisions.close is not None
         coordinator.fold(decisions.close)
         for control in controls.values():
             control.apply(decisions.close)
-        if decisions.close.num_samples:
-            steps.append(len(decisions.close.batch_ids))
+        steps.append(len(decisions.close.batch_ids))
     return steps
 
 
@@ -105,7 +113,10 @@ def test_any_number_of_trainers_takes_the_same_steps_of_the_global_batch(
 ) -> None:
     steps = train_in_lockstep(trainers, throughputs=throughputs)
     per_epoch = math.ceil(TRAIN_BATCHES / 2)
+    # Every version takes batches, and only each epoch's last is short: no trainer is left
+    # holding batches of an epoch that the others wait for.
     assert len(steps) == EPOCHS * per_epoch == 115
+    assert steps == ([2] * (per_epoch - 1) + [1]) * EPOCHS
     assert sum(steps) == EPOCHS * TRAIN_BATCHES
     assert max(steps) == 2  # never more than 64 samples: the 4-trainer demo took 3-4 a step
 

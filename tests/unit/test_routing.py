@@ -1,15 +1,14 @@
-"""Throughput-weighted routing: partition weights from the members, the weighted choice."""
+"""Routing by the trainers' shares: partition weights from the members, the evenly spread
+sequence of partitions over an epoch's batches."""
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from conveyor.training.routing import choose_partition, partition_weights
+from conveyor.training.routing import partition_weights, shard_partitions, spread
 
 
 def test_weights_split_each_member_rate_over_its_partitions() -> None:
@@ -43,36 +42,51 @@ def test_unclaimed_and_foreign_partitions() -> None:
         partition_weights([(1.0, [0])], 0)
 
 
-def test_choice_follows_the_weights_over_many_ids() -> None:
-    weights = [0.375, 0.375, 0.125, 0.125, 0.0]
-    ids = [f"job:e{i % 3}:train:{i // 8:05d}:b{i % 8:03d}" for i in range(10_000)]
-    counts = Counter(choose_partition(batch_id, weights) for batch_id in ids)
-    assert counts[4] == 0  # weight 0: never
-    for partition, weight in enumerate(weights[:4]):
-        assert abs(counts[partition] / len(ids) - weight) < 0.02, (partition, counts)
-    # Weights need not be normalised: only their proportions count.
-    scaled = [w * 8 for w in weights]
-    assert all(choose_partition(b, scaled) == choose_partition(b, weights) for b in ids[:500])
+def test_equal_weights_take_the_partitions_in_turn() -> None:
+    assert spread((0.25,) * 4) == (0, 1, 2, 3)
+    assert shard_partitions(6, 5, None, 4) == [2, 3, 0, 1, 2]  # no routing yet: equal
+    assert shard_partitions(6, 5, [0.25] * 4, 4) == [2, 3, 0, 1, 2]
 
 
-def test_choice_is_deterministic_across_processes() -> None:
-    weights = [0.1, 0.2, 0.3, 0.4]
-    ids = [f"j:e0:train:{k:05d}:b000" for k in range(50)]
-    here = [choose_partition(batch_id, weights) for batch_id in ids]
-    assert here == [choose_partition(batch_id, weights) for batch_id in ids]
-    # Another interpreter (its own str hash seed) picks the same partitions.
-    code = (
-        "from conveyor.training.routing import choose_partition;"
-        f"print([choose_partition(b, {weights!r}) for b in {ids!r}])"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert result.stdout.strip() == repr(here)
-    assert len(set(here)) == 4  # and the ids do spread
+def test_every_run_of_the_sequence_holds_each_share_to_one_batch() -> None:
+    weights = (0.375, 0.375, 0.125, 0.125, 0.0)
+    cycle = spread(weights)
+    assert Counter(cycle) == {0: 3, 1: 3, 2: 1, 3: 1}  # weight 0: never
+    assert spread(tuple(w * 8 for w in weights)) == cycle  # only the proportions count
+    sequence = shard_partitions(0, 10 * len(cycle), list(weights), 5)
+    for start in range(len(cycle)):
+        for length in range(1, 3 * len(cycle)):
+            counts = Counter(sequence[start : start + length])
+            for partition, weight in enumerate(weights):
+                assert abs(counts[partition] - weight * length) < 1.0 + 1e-9, (start, length)
 
 
-def test_a_single_positive_weight_takes_every_batch() -> None:
-    assert {choose_partition(f"b{i}", [0.0, 0.0, 1.0, 0.0]) for i in range(200)} == {2}
+def test_shards_continue_one_sequence_over_the_epoch() -> None:
+    """The digits demo's epoch: 45 batches in shards of 8, 4 partitions that the group's
+    round robin gives 2 trainers as {0, 2} and {1, 3}: the trainers alternate, batch by
+    batch, and end the epoch one batch apart (a hash left them 5-10 apart)."""
+    shards = [(index * 8, min(8, 45 - index * 8)) for index in range(6)]
+    routed = [p for first, count in shards for p in shard_partitions(first, count, None, 4)]
+    assert routed == shard_partitions(0, 45, None, 4)
+    trainers = ["a" if p in (0, 2) else "b" for p in routed]
+    assert trainers[:6] == ["a", "b", "a", "b", "a", "b"]
+    assert Counter(trainers) == {"a": 23, "b": 22}
+    # A 3:1 allocation (fast "a"): three of every four batches, spread out.
+    weights = partition_weights([(3.0, [0, 2]), (1.0, [1, 3])], 4)
+    assert weights is not None
+    fast = ["a" if p in (0, 2) else "b" for p in shard_partitions(0, 45, weights, 4)]
+    assert Counter(fast) == {"a": 34, "b": 11}
+    assert all(fast[i : i + 4].count("b") <= 2 for i in range(41))
+
+
+def test_rounding_keeps_a_sliver_of_a_share_and_bad_weights_are_refused() -> None:
+    assert 3 in spread((0.999, 0.0, 0.0, 0.001))
+    assert set(spread((0.0, 0.0, 1.0, 0.0))) == {2}
     with pytest.raises(ValueError, match="positive sum"):
-        choose_partition("b", [0.0, 0.0])
+        spread((0.0, 0.0))
+    with pytest.raises(ValueError, match="positive sum"):
+        spread((1.0, math.nan))
+    with pytest.raises(ValueError, match="3 routing weights for 4 partitions"):
+        shard_partitions(0, 8, [0.5, 0.25, 0.25], 4)
+    with pytest.raises(ValueError, match="num_partitions"):
+        shard_partitions(0, 8, None, 0)

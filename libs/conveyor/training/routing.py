@@ -1,39 +1,54 @@
-"""Throughput-weighted routing of a job's batches to the partitions of its batches topic.
+"""Routing of a job's batches to the partitions of its batches topic, by the trainers' shares.
 
 The trainers of a job share its batches topic through one consumer group, which gives each
-member an equal share of the partitions. To give a fast trainer more batches than a slow one
+member an equal share of the partitions. To give a trainer the share of the batches it
+consumes (its micro-batches per step in sync mode, its throughput under bounded staleness)
 without a custom assignor (and without extra rebalances), the producer side weights the
 partitions instead:
 
 - each trainer's heartbeat lists the partitions it owns (``batches_partitions``);
-- the coordinator turns the members' rates and partitions into one weight per partition
+- the coordinator turns the members' shares and partitions into one weight per partition
   (:func:`partition_weights`) and publishes them as ``routing`` in its progress events;
-- the sharder stamps the latest routing into every shard task it releases
-  (``ShardTask.routing``), and the preprocessor sends each batch to the partition
-  :func:`choose_partition` picks from the batch id.
+- the sharder gives every batch of a shard task it releases its partition
+  (``ShardTask.partitions``, :func:`shard_partitions`) from the latest weights and the batch's
+  place in its epoch's split; the preprocessor sends each batch there.
+
+The partitions follow an evenly spread sequence over the batches' places (a smooth weighted
+round robin, :func:`spread`), not a hash: every prefix of an epoch gives each partition its
+weight's share to within one batch, so each trainer receives exactly the batches its steps
+take (a hash left one trainer a few batches more at each epoch's end, which the others
+waited for and which took extra, partial steps). With equal weights the sequence is
+``0, 1, ..., P-1, 0, ...``; the consumer group's round-robin assignment gives member ``j`` of
+``n`` partitions ``j, j+n, ...``, so consecutive batches go to consecutive members, the order
+in which the coordinator's turns take them (:mod:`conveyor.services.aggregator.membership`).
 
 Routing changes where batches go, never which batches exist: ids stay deterministic and the
-trainers and the coordinator deduplicate by batch id, so a redelivered task routed the same
-way (its routing travels inside it) or a stale routing (a rebalance moved partitions since)
-costs balance for a while, never correctness.
+trainers and the coordinator deduplicate by batch id, so a redelivered task (its partitions
+travel inside it) or a stale routing (a rebalance moved partitions since) costs balance for a
+while, never correctness.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import math
 from collections.abc import Iterable, Sequence
+
+SPREAD_RESOLUTION = 24
+"""Slots per partition in one cycle of :func:`spread`: weights are rounded to 1/(24 P), exact
+for the shares of 2, 3, 4, 6 and 8 equal parts. A cycle costs O(24 P^2) to build, once per
+weights (cached)."""
 
 
 def partition_weights(
     members: Iterable[tuple[float | None, Sequence[int]]], num_partitions: int
 ) -> list[float] | None:
     """Weights of partitions ``0 .. num_partitions-1``, summing to 1, from the members'
-    ``(rate, owned partitions)``: each partition a member owns gets ``rate / len(owned)``
+    ``(share, owned partitions)``: each partition a member owns gets ``share / len(owned)``
     (claims of one partition by two members, as seen around a rebalance, add up).
 
-    A rate that is None, not finite or <= 0 (not measured yet) counts as the mean of the
-    members' known rates, or 1.0 when none is known. Partitions outside the range are
+    A share that is None, not finite or <= 0 (not measured yet) counts as the mean of the
+    members' known shares, or 1.0 when none is known. Partitions outside the range are
     ignored; a partition nobody claims gets 0 (no member would read it). Returns None when
     no member claims any partition (nothing to weight by). Raises ValueError for
     ``num_partitions < 1``.
@@ -41,42 +56,82 @@ def partition_weights(
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
     owners: list[tuple[float | None, list[int]]] = []
-    for rate, partitions in members:
+    for share, partitions in members:
         owned = sorted({p for p in partitions if 0 <= p < num_partitions})
         if owned:
-            known_rate = rate is not None and math.isfinite(rate) and rate > 0
-            owners.append((rate if known_rate else None, owned))
+            known = share is not None and math.isfinite(share) and share > 0
+            owners.append((share if known else None, owned))
     if not owners:
         return None
-    known = [rate for rate, _ in owners if rate is not None]
-    default = sum(known) / len(known) if known else 1.0
+    known_shares = [share for share, _ in owners if share is not None]
+    default = sum(known_shares) / len(known_shares) if known_shares else 1.0
     weights = [0.0] * num_partitions
-    for rate, owned in owners:
-        share = (default if rate is None else rate) / len(owned)
+    for share, owned in owners:
+        part = (default if share is None else share) / len(owned)
         for partition in owned:
-            weights[partition] += share
+            weights[partition] += part
     total = sum(weights)
     return [weight / total for weight in weights]
 
 
-def choose_partition(batch_id: str, weights: Sequence[float]) -> int:
-    """The partition of ``batch_id`` under ``weights`` (one per partition, >= 0, positive
-    sum): a point drawn from a hash of the id, placed on the
-    cumulative weights. Stable across processes and runs (the same id and weights give the
-    same partition); over many ids partition p gets a share ``weights[p] / sum(weights)``;
-    a partition of weight 0 never gets one. Raises ValueError for weights without a positive
-    sum."""
-    total = math.fsum(weights)
-    if not total > 0:
-        raise ValueError(f"routing weights need a positive sum, got {list(weights)!r}")
-    digest = hashlib.blake2b(batch_id.encode(), digest_size=8).digest()
-    point = int.from_bytes(digest, "big") / 2.0**64 * total  # uniform in [0, total)
-    reached = 0.0
-    last = 0
-    for partition, weight in enumerate(weights):
-        if weight > 0:
-            reached += weight
-            last = partition
-            if point < reached:
-                return partition
-    return last  # the point fell on the rounding error past the last positive weight
+@functools.lru_cache(maxsize=64)
+def spread(weights: tuple[float, ...]) -> tuple[int, ...]:
+    """One cycle of the evenly spread sequence of partitions for ``weights`` (one per
+    partition, >= 0, positive sum): the weights rounded to whole slots
+    (:data:`SPREAD_RESOLUTION` per partition, largest remainder, reduced by their greatest
+    common divisor), ordered by smooth weighted round robin, so every run of the cycle holds
+    each partition's share to within one slot. A partition of weight 0 never appears. Raises
+    ValueError for weights without a positive sum or with a negative or non-finite one."""
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not math.fsum(weights) > 0:
+        raise ValueError(f"routing weights need finite values >= 0 and a positive sum, "
+                         f"got {list(weights)!r}")  # fmt: skip
+    slots = _round_to_slots(weights, SPREAD_RESOLUTION * len(weights))
+    divisor = math.gcd(*slots)
+    slots = [s // divisor for s in slots]
+    length = sum(slots)
+    credit = [0] * len(slots)
+    cycle: list[int] = []
+    for _ in range(length):
+        for partition, count in enumerate(slots):
+            credit[partition] += count
+        chosen = max(range(len(slots)), key=lambda p: (credit[p], -p))  # ties: lowest index
+        credit[chosen] -= length
+        cycle.append(chosen)
+    return tuple(cycle)
+
+
+def _round_to_slots(weights: Sequence[float], total: int) -> list[int]:
+    """Whole slots summing to ``total`` in proportion to ``weights`` (largest remainder); a
+    positive weight keeps at least one slot when there are slots enough."""
+    scale = total / math.fsum(weights)
+    ideal = [w * scale for w in weights]
+    slots = [math.floor(x) for x in ideal]
+    for p in sorted(range(len(ideal)), key=lambda p: (slots[p] - ideal[p], p)):
+        if sum(slots) >= total:
+            break
+        slots[p] += 1
+    for p, w in enumerate(weights):  # a sliver of a share still reads its partition
+        if w > 0 and slots[p] == 0:
+            donor = max(range(len(slots)), key=lambda q: (slots[q], -q))
+            if slots[donor] > 1:
+                slots[donor] -= 1
+                slots[p] = 1
+    return slots
+
+
+def shard_partitions(
+    first_batch: int, num_batches: int, weights: Sequence[float] | None, num_partitions: int
+) -> list[int]:
+    """The partition of each of a shard's ``num_batches`` batches, the first being batch
+    ``first_batch`` of its epoch's split (from 0): the batch's place in the cycle of
+    :func:`spread` (equal weights when ``weights`` is None or empty: before any trainer has
+    reported its partitions). Stable: the same arguments give the same partitions in any
+    process. Raises ValueError for weights not one per partition, or as :func:`spread`."""
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    if first_batch < 0 or num_batches < 0:
+        raise ValueError(f"batch places must be >= 0, got {first_batch}, {num_batches}")
+    if weights and len(weights) != num_partitions:
+        raise ValueError(f"{len(weights)} routing weights for {num_partitions} partitions")
+    cycle = spread(tuple(weights) if weights else (1.0,) * num_partitions)
+    return [cycle[(first_batch + i) % len(cycle)] for i in range(num_batches)]

@@ -37,7 +37,7 @@ class DeadLetter(Message):
     """When it failed, unix time in seconds."""
 
 
-@message("ShardTask", version=3)
+@message("ShardTask", version=4)
 @dataclass(kw_only=True, slots=True)
 class ShardTask(Message):
     """Work for one preprocessor on ``Topics.shards``: turn a shard's samples into batches."""
@@ -65,10 +65,10 @@ class ShardTask(Message):
     released_at: float = 0.0
     """When the sharder released the task, unix time in seconds (0.0: not released by a
     sharder); becomes the ``released`` timestamp of the shard's batches."""
-    routing: list[float] = dataclasses.field(default_factory=list)
-    """One weight per partition of the job's batches topic (>= 0, positive sum): each batch
-    goes to the partition :func:`conveyor.training.routing.choose_partition` picks from its id.
-    Empty: unweighted (the key's hash picks). Added in version 2."""
+    partitions: list[int] = dataclasses.field(default_factory=list)
+    """The partition of the job's batches topic for each of the shard's batches, in order
+    (:func:`conveyor.training.routing.shard_partitions`). Empty: the key's hash picks (a task
+    not released by a sharder). Version 4; replaces version 2's per-partition weights."""
     incarnation: int = 0
     """The job's incarnation (resumes so far): its batches go to that run's batches topic.
     Added in version 3."""
@@ -78,11 +78,11 @@ class ShardTask(Message):
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.routing and not (
-            all(math.isfinite(w) and w >= 0 for w in self.routing) and sum(self.routing) > 0
-        ):
-            raise ValueError(f"routing weights must be finite, >= 0 with a positive sum, "
-                             f"got {self.routing!r}")  # fmt: skip
+        batches = math.ceil(len(self.sample_ids) / self.micro_batch_size)
+        if self.partitions and len(self.partitions) != batches:
+            raise ValueError(f"{len(self.partitions)} partitions for {batches} batches")
+        if min(self.partitions, default=0) < 0:
+            raise ValueError(f"partitions must be >= 0, got {self.partitions!r}")
 
 
 @message("Batch", version=2)

@@ -309,17 +309,30 @@ class Coordinator:
         """Applied train batches + covered eval batches (the sharder's flow control)."""
         return self.epochs.applied_train_batches + self.epochs.covered_eval_batches
 
-    def allocation(self, now: float) -> dict[str, int]:
-        """Micro-batches per live member for the next step (empty without live members):
-        adaptive: proportional to each one's throughput; equal: an equal split. With more
-        members than micro-batches per step, members take turns (the next version is the
-        turn), so a step never holds more than the global batch."""
+    def allocation(self, now: float, *, turn: int | None = None) -> dict[str, int]:
+        """Micro-batches per live member for a step (empty without live members): adaptive:
+        proportional to each one's throughput; equal: an equal split. With more members than
+        micro-batches per step, members take turns, so a step never holds more than the
+        global batch: ``turn`` is the step's place in its epoch (default: the step on the
+        current version), and the members' order is their lowest batches partition (then
+        their id), the order in which the routing spreads an epoch's batches over them
+        (:mod:`conveyor.training.routing`), so each turn falls to the holders of its
+        batches."""
         live = self.members.live(now)
         if not live:
             return {}
+        live.sort(key=lambda m: (min(m.batches_partitions, default=math.inf), m.worker_id))
         throughputs = {m.worker_id: m.samples_per_second if self.adaptive else None
                        for m in live}  # fmt: skip
-        return allocate(throughputs, self.config.micro_batches_per_step, turn=self.version)
+        if turn is None:
+            turn = self.version - self.epoch_started_at
+        return allocate(throughputs, self.config.micro_batches_per_step, turn=turn)
+
+    @property
+    def epoch_started_at(self) -> int:
+        """The version the current epoch's first step was computed on: the end of the last
+        ended epoch (the resume point or 0 before any)."""
+        return max(self.epochs.end_version.values(), default=self.resumed_from or 0)
 
     def routing(self, now: float) -> list[float] | None:
         """Weights of the batches topic's partitions (sum 1) that give each live member the
@@ -452,11 +465,18 @@ class Coordinator:
             num_samples=num_samples,
             epoch=min(epochs, default=self.current_epoch),
             lr=self._lr(),
-            allocation=self.allocation(now),
+            allocation=self.allocation(now, turn=self._next_turn(batch_ids)),
             closed_at=now,
             momentum=self._momentum(staleness),
             checkpoint=self._checkpoint_reason(batch_ids, num_samples),
         )
+
+    def _next_turn(self, batch_ids: list[str]) -> int:
+        """The place in its epoch of the step after the close of ``batch_ids``: 0 when the
+        close ends the epoch."""
+        if self.epochs.would_end(batch_ids):
+            return 0
+        return self.version + 1 - self.epoch_started_at
 
     def _checkpoint_reason(self, batch_ids: list[str], num_samples: int) -> str | None:
         """Why the version being closed is checkpointed (None: it is not): the job's end, an

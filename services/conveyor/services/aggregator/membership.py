@@ -99,17 +99,19 @@ def allocate(
     Unknown throughputs count as the mean of the known ones.
 
     More workers than ``total``: ``total`` of them get 1 and the rest 0, taking turns over the
-    sorted worker ids (step ``turn`` starts at ``turn * total``), so the global batch stays
-    ``total`` micro-batches whatever the pool size, and every worker's batches (a worker
-    receives its own share of the batches topic) are consumed within ``ceil(n / total)``
-    steps."""
+    workers in the order of ``throughputs`` (step ``turn`` starts at ``turn * total``), so the
+    global batch stays ``total`` micro-batches whatever the pool size, and every worker's
+    batches (a worker receives its own share of the batches topic) are consumed within
+    ``ceil(n / total)`` steps. The coordinator orders the workers as the routing spreads the
+    batches over them (:meth:`Coordinator.allocation`), so a step's turn falls to the workers
+    that hold its batches."""
     if total < 1:
         raise ValueError(f"total must be >= 1, got {total}")
     if not throughputs:
         return {}
     known = [v for v in (_positive(t) for t in throughputs.values()) if v is not None]
     default = sum(known) / len(known) if known else 1.0
-    rates = {w: _positive(t) or default for w, t in sorted(throughputs.items())}
+    rates = {w: _positive(t) or default for w, t in throughputs.items()}
     if len(rates) >= total:
         order = list(rates)
         start = (turn * total) % len(order)

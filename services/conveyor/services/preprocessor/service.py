@@ -8,8 +8,8 @@ Per task, inside a CONSUMER span ``process <shards topic>`` that continues the t
 2. read (span ``shard read``) and augment + collate (span ``preprocess``) in a worker thread,
    so the event loop, and with it the consumer's heartbeats, never stalls;
 3. send every batch (key = batch id, pipelined), then wait for all the broker's acks; a task
-   with a ``routing`` sends each batch to the partition it picks for the batch id
-   (:func:`~conveyor.training.routing.choose_partition`: stable, so a redone task routes alike),
+   with ``partitions`` sends each batch to the partition the sharder gave it
+   (:mod:`conveyor.training.routing`; the task carries them, so a redone task routes alike),
    one without to the partition of the key's hash;
 4. samples left out as bad (corrupt image, bad tar member...) are reported in one
    ``SamplesSkipped`` event on the jobs topic (the sharder fails the job past
@@ -60,7 +60,6 @@ from conveyor.services.preprocessor.work import (
     read_shard,
 )
 from conveyor.training.datasets import DatasetError
-from conveyor.training.routing import choose_partition
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ class PreprocessorService(Service):
             return
         batches = output.batches
         try:
-            sent = await self._send(topic, batches, task.routing)
+            sent = await self._send(topic, batches, task.partitions)
         except RecordTooLarge as exc:
             await self._fail_job(task, f"shard {task.shard_id}: {exc}")
             return
@@ -227,17 +226,18 @@ class PreprocessorService(Service):
         with self.busy.busy():
             return await asyncio.to_thread(function, *args)
 
-    async def _send(self, topic: str, batches: list[Batch], routing: list[float]) -> bool:
-        """Send every batch (to the partition ``routing`` picks, when given), wait for every
-        ack. False when the topic vanished (job ended). RecordTooLarge (a batch over the size
-        limit: the job's fault) and other bus errors propagate; the task is then not acked."""
+    async def _send(self, topic: str, batches: list[Batch], partitions: list[int]) -> bool:
+        """Send every batch (to its partition in ``partitions``, when given: one per batch),
+        wait for every ack. False when the topic vanished (job ended). RecordTooLarge (a
+        batch over the size limit: the job's fault) and other bus errors propagate; the task
+        is then not acked."""
         assert self._producer is not None
         acks: list[asyncio.Future[RecordMetadata]] = []
         error: BusError | None = None
         try:
-            for batch in batches:
+            for position, batch in enumerate(batches):
                 batch.timestamps["sent"] = time.time()
-                partition = choose_partition(batch.batch_id, routing) if routing else None
+                partition = partitions[position] if partitions else None
                 acks.append(
                     await self._producer.send(topic, batch, key=batch.batch_id, partition=partition)
                 )

@@ -17,7 +17,8 @@ every event into the
   ``planned`` (unless the log already has one); a bad spec, a location outside the roots or an
   unreadable dataset publishes ``failed`` with the reason;
 - planned: release the tasks :class:`~.flow.FlowControl` allows, await their acks; each task
-  carries the routing of the coordinator's latest progress (:mod:`conveyor.training.routing`);
+  carries the partition of each of its batches, from the routing of the coordinator's latest
+  progress and the batch's place in its epoch (:mod:`conveyor.training.routing`);
 - resumed (a ``resumed`` event, planned again like a submission): read the job's progress from
   the checkpoint it names (slice 0's file; a checkpoint that cannot be read fails the job),
   create the topics of its new incarnation (fresh names: nothing of the earlier run reaches
@@ -81,6 +82,7 @@ from conveyor.training.checkpoint import CheckpointError, CheckpointStore, read_
 from conveyor.training.datasets import AnyDataset, DatasetError, open_dataset, output_shape
 from conveyor.training.locations import output_uri, refused_locations
 from conveyor.training.plan import JobPlan
+from conveyor.training.routing import shard_partitions
 from conveyor.training.slicing import build_job_model
 
 logger = logging.getLogger(__name__)
@@ -386,7 +388,7 @@ class SharderService(Service):
         # A routing for another partition count (a coordinator with another plan of the
         # job, a bug) would make preprocessors send to partitions that do not exist.
         partitions = self._batches_partitions(job)
-        routing = job.routing if len(job.routing) == partitions else []
+        routing = job.routing if len(job.routing) == partitions else None
         if job.routing and not routing:
             logger.warning("job %s: ignoring a routing of %d partitions (topic has %d)",
                            job.job_id, len(job.routing), partitions)  # fmt: skip
@@ -406,7 +408,9 @@ class SharderService(Service):
                 seed=plan.seed,
                 preprocess=preprocess,
                 released_at=time.time(),
-                routing=routing,
+                partitions=shard_partitions(
+                    shard.index * plan.max_shard_batches, shard.num_batches, routing, partitions
+                ),
                 incarnation=job.incarnation,
             )
             # Each shard starts its own trace (the one its batches follow), linked to the plan.

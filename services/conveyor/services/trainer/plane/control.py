@@ -23,6 +23,7 @@ applied), so the state stays proportional to the open epochs.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from conveyor.platform.messages import (
@@ -94,6 +95,8 @@ class ControlState:
         self._eval_done: set[int] = set()
         self._outcomes: dict[str, Outcome] = {}
         self._heartbeats: dict[str, float] = {}
+        self._lowest_partition: dict[str, float] = {}
+        """Worker -> the lowest batches partition of its latest heartbeat (inf: none)."""
         self._undecided: dict[str, float] = {}
         """Non-empty contributions (any trainer) on the log, not decided yet -> sent_at."""
 
@@ -122,6 +125,8 @@ class ControlState:
                 self._heartbeats.pop(message.worker_id, None)
             else:
                 self._heartbeats[message.worker_id] = message.at
+                owned = message.state.batches_partitions
+                self._lowest_partition[message.worker_id] = min(owned, default=math.inf)
         elif isinstance(message, ResumePoint):
             self._resume(message)
 
@@ -248,16 +253,18 @@ class ControlState:
         """This trainer's micro-batches for the next step: the latest allocation's, which may
         be 0 (more trainers than micro-batches per step take turns; the coordinator's
         allocation sums to the step, so the global batch holds). Before the first allocation,
-        an equal split over the live trainers (sorted ids, the first
-        ``micro_batches_per_step % n`` take one more; 0 for the rest when there are more
-        trainers than micro-batches); a trainer that joined later is missing from it and
-        takes 0 until the next close names it (its empty contribution makes it a member)."""
+        an equal split over the live trainers in the coordinator's turn order (lowest batches
+        partition, then id: the first ``micro_batches_per_step % n`` take one more; 0 for the
+        rest when there are more trainers than micro-batches); a trainer that joined later is
+        missing from it and takes 0 until the next close names it (its empty contribution
+        makes it a member)."""
         allocated = self.allocation.get(self.worker_id)
         if allocated is not None:
             return allocated
         if self.allocation:
             return 0
-        members = sorted(self.live_trainers(now))
+        lowest = self._lowest_partition
+        members = sorted(self.live_trainers(now), key=lambda w: (lowest.get(w, math.inf), w))
         base, extra = divmod(micro_batches_per_step, len(members))
         return base + (1 if members.index(self.worker_id) < extra else 0)
 
