@@ -32,7 +32,6 @@ from conveyor.services.preprocessor.config import PreprocessorSettings
 from conveyor.services.preprocessor.service import PreprocessorService
 from conveyor.training.datasets import open_dataset, pack_npz
 from conveyor.training.plan import JobPlan
-from conveyor.training.routing import choose_partition
 
 DIGITS = "builtin://sklearn-digits"
 SLOW = "synthetic://?n=4000&shape=1x8x8&classes=10&seed=2&cost_ms=4"
@@ -187,10 +186,10 @@ async def test_tasks_become_batches_with_traces_and_commits(
     tasks = shard_tasks("job1", DIGITS, 1797, 4)
     tasks += shard_tasks("job1", DIGITS, 1797, 25)[-2:]  # eval shards: 359 samples, 6 tasks
     assert {t.split for t in tasks} == {"train", "eval"}
-    # Routed tasks (the coordinator's weights, stamped by the sharder): all batches of task 1
-    # to partition 1, those of the eval task 4 as the weighted choice picks; the rest by key.
-    tasks[1] = dataclasses.replace(tasks[1], routing=[0.0, 1.0])
-    tasks[4] = dataclasses.replace(tasks[4], routing=[0.3, 0.7])
+    # Routed tasks (partitions given by the sharder): every batch of task 1 to partition 1,
+    # those of the eval task 4 alternating from 1; the rest by the key's hash.
+    tasks[1] = dataclasses.replace(tasks[1], partitions=[1] * 4)
+    tasks[4] = dataclasses.replace(tasks[4], partitions=[1, 0, 1, 0])
     x_all, y_all = open_dataset(DIGITS).read(list(range(1797)))
     async with running(kafka_settings), TopicReader(kafka_settings, topics.batches("job1")) as out:
         await publish_tasks(kafka_settings, tasks)
@@ -209,11 +208,11 @@ async def test_tasks_become_batches_with_traces_and_commits(
             assert set(batch.timestamps) == STAMPS
             assert batch.timestamps["released"] == task.released_at
             assert "traceparent" in headers
-            if task.routing:
-                expected = choose_partition(batch.batch_id, task.routing)
-                assert out.partitions[batch.batch_id] == expected
+            if task.partitions:
+                assert out.partitions[batch.batch_id] == task.partitions[k]
     assert {out.partitions[f"{tasks[1].shard_id}:b{k:03d}"] for k in range(4)} == {1}
-    unrouted = [b for t in tasks if not t.routing for b in expected_ids([t])]
+    assert [out.partitions[f"{tasks[4].shard_id}:b{k:03d}"] for k in range(4)] == [1, 0, 1, 0]
+    unrouted = [b for t in tasks if not t.partitions for b in expected_ids([t])]
     assert {out.partitions[b] for b in unrouted} == {0, 1}  # the key's hash spreads them
 
     finished = spans.get_finished_spans()

@@ -192,16 +192,18 @@ async def test_plans_releases_with_flow_control_and_cancels(
         assert first.dataset_uri == "builtin://sklearn-digits" and first.seed == 3
         assert first.preprocess["augment"] == [{"name": "hflip", "p": 0.5}]
         assert first.released_at > 0 and first.split == "train" and first.epoch == 0
-        assert all(t.routing == [] for t in released)  # no routing reported yet: unweighted
+        # No routing reported yet: the epoch's batches take the 2 partitions in turn.
+        assert [t.partitions for t in released] == [[0, 1]] * 3
 
         # 4 consumed: tasks 3 (6 - 4 < 5) and 4 (8 - 4 < 5) may go; task 5 (10 - 4) may not.
-        # They carry the coordinator's latest routing (one weight per batches partition).
+        # They follow the coordinator's latest routing (one weight per batches partition) by
+        # each batch's place in the epoch: batches 6..9 in the 3:1 cycle 0, 0, 1, 0.
         await publish(kafka_settings, "job1", "progress", progress(4, routing=[0.75, 0.25]))
         await shards.wait_for(lambda m: len(tasks_of(m, "job1")) >= 5, 10)
         await shards.poll(0.8)
         released = tasks_of(shards.messages, "job1")
         assert [t.index for t in released] == [0, 1, 2, 3, 4]
-        assert [t.routing for t in released[3:]] == [[0.75, 0.25]] * 2
+        assert [t.partitions for t in released[3:]] == [[1, 0], [0, 0]]
 
         await publish(kafka_settings, "job1", "cancel_requested", {"reason": "test"})
         await jobs.wait_for(lambda m: bool(events(m, "job1", "cancelled")), 10)

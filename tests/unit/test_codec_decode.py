@@ -227,22 +227,25 @@ def test_decode_runs_the_schema_checks() -> None:
         decode(raw_message(header, bytes(72)))
 
 
-def test_shard_task_v3_routing_is_checked_and_v1_is_refused() -> None:
+def test_shard_task_v4_partitions_are_checked_and_v3_is_refused() -> None:
     header = {
-        "v": 3, "type": "ShardTask", "job_id": "j", "shard_id": "s", "epoch": 0, "index": 0,
-        "split": "train", "dataset_uri": "builtin://x", "sample_ids": [1], "micro_batch_size": 1,
-        "seed": 0, "preprocess": {}, "released_at": 0.0, "routing": [1, 0.5], "incarnation": 1,
+        "v": 4, "type": "ShardTask", "job_id": "j", "shard_id": "s", "epoch": 0, "index": 0,
+        "split": "train", "dataset_uri": "builtin://x", "sample_ids": [1, 2, 3],
+        "micro_batch_size": 2, "seed": 0, "preprocess": {}, "released_at": 0.0,
+        "partitions": [3, 0], "incarnation": 1,
     }  # fmt: skip
     decoded = decode(packed(header))
-    assert isinstance(decoded, ShardTask) and decoded.routing == [1, 0.5]
+    assert isinstance(decoded, ShardTask) and decoded.partitions == [3, 0]
     assert decoded.incarnation == 1
-    with pytest.raises(MalformedMessage, match="routing"):
-        decode(packed({**header, "routing": [1, "0.5"]}))
-    with pytest.raises(MalformedMessage, match="routing weights"):
-        decode(packed({**header, "routing": [0.0, -1.0]}))
-    v1 = {k: v for k, v in header.items() if k != "routing"} | {"v": 1}
-    with pytest.raises(UnsupportedVersion, match="ShardTask version 1, supported: 3"):
-        decode(packed(v1))
+    with pytest.raises(MalformedMessage, match="partitions"):
+        decode(packed({**header, "partitions": [1, "0"]}))
+    with pytest.raises(MalformedMessage, match="3 partitions for 2 batches"):
+        decode(packed({**header, "partitions": [0, 1, 2]}))
+    with pytest.raises(MalformedMessage, match="partitions must be >= 0"):
+        decode(packed({**header, "partitions": [0, -1]}))
+    v3 = {k: v for k, v in header.items() if k != "partitions"} | {"v": 3, "routing": [1.0]}
+    with pytest.raises(UnsupportedVersion, match="ShardTask version 3, supported: 4"):
+        decode(packed(v3))
 
 
 @pytest.mark.parametrize(

@@ -192,7 +192,7 @@ def test_v1_schemas_round_trip() -> None:
         ),
         ShardTask(
             job_id="j1", shard_id="s", epoch=1, index=0, split="train", dataset_uri="builtin://x",
-            sample_ids=[3], micro_batch_size=4, seed=7, preprocess={}, routing=[0.5, 0, 0.5],
+            sample_ids=[3], micro_batch_size=4, seed=7, preprocess={}, partitions=[2],
         ),
         heartbeat("j1", "w", at=1.0, version=3, step_time_s={"compute": 0.5},
                   batches_partitions=[0, 2], gpu={"gpu_utilization_ratio": 0.5}),

@@ -42,10 +42,11 @@ def test_schemas_are_registered_with_name_and_version() -> None:
         assert registry[cls.__name__] is cls
         assert cls.__name__ == cls.TYPE
     versions = {cls.TYPE: cls.VERSION for cls in classes}
-    # ShardTask v2: + routing; v3: + incarnation. Contribution v2: + epoch, sample_ids;
+    # ShardTask v2: + routing; v3: + incarnation; v4: partitions instead of routing.
+    # Contribution v2: + epoch, sample_ids;
     # v3: + inner_steps; v4: + the step's stamps. Batch v2: + token sequences
     assert versions == {
-        "DeadLetter": 1, "ShardTask": 3, "Batch": 2, "Heartbeat": 2, "JobSubmitted": 1,
+        "DeadLetter": 1, "ShardTask": 4, "Batch": 2, "Heartbeat": 2, "JobSubmitted": 1,
         "JobPlanned": 1, "JobFailed": 1, "Contribution": 4,
     }  # fmt: skip
 
@@ -264,11 +265,12 @@ def test_shard_task_checks_split_and_batch_size() -> None:
         ShardTask(**{**fields, "split": "validation"})
     with pytest.raises(ValueError, match="micro_batch_size"):
         ShardTask(**{**fields, "micro_batch_size": 0})
-    assert ShardTask(**fields).routing == []  # unweighted
-    assert ShardTask(**fields, routing=[0.0, 0.75, 0.25]).routing == [0.0, 0.75, 0.25]
-    for routing in ([0.0, 0.0], [0.5, -0.5, 1.0], [float("nan"), 1.0], [float("inf")]):
-        with pytest.raises(ValueError, match="routing"):
-            ShardTask(**fields, routing=routing)
+    assert ShardTask(**fields).partitions == []  # by the key's hash
+    assert ShardTask(**fields, partitions=[3]).partitions == [3]  # one per batch
+    with pytest.raises(ValueError, match="2 partitions for 1 batches"):
+        ShardTask(**fields, partitions=[0, 1])
+    with pytest.raises(ValueError, match="partitions must be >= 0"):
+        ShardTask(**fields, partitions=[-1])
 
 
 def test_topic_names() -> None:
