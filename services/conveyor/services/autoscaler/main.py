@@ -8,8 +8,6 @@ from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.service import run_service
 from conveyor.services.autoscaler.config import AutoscalerSettings
 from conveyor.services.autoscaler.drivers import ScaleDriver
-from conveyor.services.autoscaler.drivers.docker import DockerDriver, engine_client
-from conveyor.services.autoscaler.drivers.kubernetes import KubernetesDriver, api_client
 from conveyor.services.autoscaler.service import POOL, TRAINERS, AutoscalerService
 
 
@@ -17,6 +15,11 @@ def remote_driver(settings: AutoscalerSettings, pool: str = POOL) -> ScaleDriver
     """The ``docker`` or ``kubernetes`` driver the settings name, for ``pool`` (the compose
     service, or the Deployment the settings name for it); ValueError for ``local`` (it needs
     the embedded stack) and DriverError when Kubernetes has no configuration."""
+    # The drivers' clients are imported where they are used: the kubernetes client alone takes
+    # about two seconds of CPU to import, which the embedded stack's autoscaler never needs.
+    from conveyor.services.autoscaler.drivers.docker import DockerDriver, engine_client
+    from conveyor.services.autoscaler.drivers.kubernetes import KubernetesDriver, api_client
+
     if settings.driver == "docker":
         assert settings.docker_project is not None  # the settings check it
         return DockerDriver(client=engine_client(settings.docker_url),

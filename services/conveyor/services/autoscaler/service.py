@@ -40,7 +40,8 @@ from conveyor.services.autoscaler.drivers import DriverError, Restart, ScaleDriv
 from conveyor.services.autoscaler.measure import Measurement, Meter, PoolLoad
 from conveyor.services.autoscaler.policy import ScalingPolicy, Signals, Verdict
 from conveyor.services.autoscaler.trainers import TrainerPolicy
-from conveyor.training.jobview import JobLogReader, JobsView
+from conveyor.training.joblog import JobLogReader
+from conveyor.training.jobview import JobsView
 
 logger = logging.getLogger(__name__)
 
