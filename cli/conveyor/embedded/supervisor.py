@@ -45,9 +45,7 @@ from conveyor.embedded.procs import ProcessInfo, is_alive, stop_processes
 from conveyor.embedded.stack import service_argv, spawn
 from conveyor.embedded.state import ServiceInfo, StackState, load_state, save_state, state_lock
 from conveyor.services.autoscaler.config import AutoscalerSettings
-from conveyor.services.autoscaler.drivers import DriverError, Restart, ScaleDriver
-from conveyor.services.autoscaler.main import remote_driver, run
-from conveyor.services.autoscaler.service import POOL, TRAINERS
+from conveyor.services.autoscaler.drivers import POOL, TRAINERS, DriverError, Restart, ScaleDriver
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +208,10 @@ def main(argv: list[str]) -> int:
     if argv:
         print(f"conveyor service autoscaler takes no arguments, got {argv}", file=sys.stderr)
         return 2
+    # Imported here, not at the top: the watchdog imports this module for LocalDriver alone, and
+    # the service brings torch (through the message registry), seconds of CPU at every start.
+    from conveyor.services.autoscaler.main import remote_driver, run
+
     settings = AutoscalerSettings()
     scales_trainers = settings.trainer_pool() is not None
     if settings.driver != "local":

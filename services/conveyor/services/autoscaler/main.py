@@ -7,8 +7,8 @@ from __future__ import annotations
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.service import run_service
 from conveyor.services.autoscaler.config import AutoscalerSettings
-from conveyor.services.autoscaler.drivers import ScaleDriver
-from conveyor.services.autoscaler.service import POOL, TRAINERS, AutoscalerService
+from conveyor.services.autoscaler.drivers import POOL, TRAINERS, ScaleDriver
+from conveyor.services.autoscaler.service import AutoscalerService
 
 
 def remote_driver(settings: AutoscalerSettings, pool: str = POOL) -> ScaleDriver:

@@ -36,8 +36,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from conveyor.platform.messages import JobSignals
+if TYPE_CHECKING:  # annotations only: the message registry brings torch into the watchdog
+    from conveyor.platform.messages import JobSignals
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

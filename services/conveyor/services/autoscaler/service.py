@@ -36,7 +36,7 @@ from conveyor.platform.messages import (
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge
 from conveyor.services.autoscaler.config import AutoscalerSettings
-from conveyor.services.autoscaler.drivers import DriverError, Restart, ScaleDriver
+from conveyor.services.autoscaler.drivers import POOL, TRAINERS, DriverError, Restart, ScaleDriver
 from conveyor.services.autoscaler.measure import Measurement, Meter, PoolLoad
 from conveyor.services.autoscaler.policy import ScalingPolicy, Signals, Verdict
 from conveyor.services.autoscaler.trainers import TrainerPolicy
@@ -45,10 +45,6 @@ from conveyor.training.jobview import JobsView
 
 logger = logging.getLogger(__name__)
 
-POOL = "preprocessor"
-"""The pool the autoscaler sizes from the data-plane signals."""
-TRAINERS = "trainer"
-"""The pool it sizes from the queue of jobs, when configured to."""
 
 _DECISIONS = counter("autoscaler", "decisions_total", "Decisions that changed the pool.",
                      ["service", "action"])  # fmt: skip
