@@ -1,5 +1,7 @@
 """Checkpoints under fire: the checkpointer and the aggregators SIGKILLed at random points of a
-job that checkpoints every step, each replaced at once (what a supervisor does).
+job that checkpoints every step, each replaced at once (what a supervisor does); then resumes,
+through the API and after the whole stack was killed, and bit-exact resume (a deterministic job
+killed twice with the whole stack ends as the same job run straight through).
 
 No torn checkpoint may ever count as committed: every checkpoint with a manifest must load with
 all its files verified, the latest good one is the job's end, retention kept what it should,
@@ -17,27 +19,33 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_for
 from ledger_check import assert_exactly_once
+from safetensors.torch import load as load_tensors
 
 from conveyor.cli.client import TERMINAL_STATES, GatewayError
 from conveyor.embedded.procs import ProcessInfo, is_alive
 from conveyor.embedded.state import ServiceInfo
 from conveyor.training.checkpoint import CheckpointStore
+from conveyor.training.exported import MODEL_FILES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 KILLS = 10
 KEEP_LAST = 2
+STACK_ARGS = ["--scale", "aggregator=2", "--scale", "trainer=2", "--health-timeout-s", "180"]
+"""Two trainers: the bit-exact test runs its SGD and Adam jobs side by side."""
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     with running_stack(
         tmp_path_factory.mktemp("checkpoints") / "state",
-        args=["--scale", "aggregator=2", "--health-timeout-s", "180"],
+        args=STACK_ARGS,
     ) as running:
         yield running
 
@@ -113,6 +121,13 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     assert (rows[0]["version"], rows[0]["state"], rows[0]["latest"]) == (final, "committed", True)
 
 
+def restart(stack: RunningStack) -> RunningStack:
+    """`conveyor up` again in the stack's state directory (after :func:`kill_everything`)."""
+    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json", *STACK_ARGS, env=stack.env)
+    assert up.returncode == 0, up.stderr
+    return RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+
+
 def kill_everything(stack: RunningStack) -> None:
     """SIGKILL every process of the stack, the broker (it held every topic in memory) and the
     processes the tests added included."""
@@ -161,10 +176,7 @@ def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exact
              what="a checkpoint of the resumed run")  # fmt: skip
 
     kill_everything(stack)
-    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json", "--scale", "aggregator=2",
-                  "--health-timeout-s", "180", env=stack.env)  # fmt: skip
-    assert up.returncode == 0, up.stderr
-    again = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+    again = restart(stack)
     try:
         wait_for(lambda: job_id in {j["id"] for j in again.gateway.jobs(limit=10)},
                  timeout_s=60, what="the job to come back by itself")  # fmt: skip
@@ -193,3 +205,76 @@ def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exact
                  what="the registry to forget the ended jobs")  # fmt: skip
     finally:
         again.gateway.close()
+
+
+OPTIMIZERS = {
+    "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    "adam": {"name": "adam", "lr": 0.004},
+}
+
+
+def exact_spec(optimizer: str) -> dict[str, Any]:
+    """One epoch of digits (23 steps), deterministic, a checkpoint every 2 steps."""
+    spec = digits_spec(
+        f"exact-{optimizer}",
+        epochs=1,
+        distribution={"trainers": 1, "aggregator_shards": 2, "deterministic": True},
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    spec["training"]["optimizer"] = OPTIMIZERS[optimizer]
+    return spec
+
+
+def exported(stack: RunningStack, job_id: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The job's exported weights and per-step losses, as `conveyor model pull` gets them."""
+    files = {name: stack.gateway.model_file(job_id, name) for name in MODEL_FILES}
+    losses: list[float] = json.loads(files["losses.json"])["step_losses"]
+    return load_tensors(files["model.safetensors"]), losses
+
+
+def test_deterministic_jobs_killed_twice_with_the_whole_stack_end_bit_exact(
+    stack: RunningStack,
+) -> None:
+    """SGD with momentum and Adam, each run as a deterministic job that the whole stack (broker
+    included) is SIGKILLed under twice, at random points past a random checkpoint, and resumes
+    on its own; then the same specs run straight through. Final parameters (the exported
+    models) equal bit for bit, and so does every step's loss, as the trainers computed it."""
+    seed = int(os.environ.get("CONVEYOR_CHAOS_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    print(f"exact seed {seed} (set CONVEYOR_CHAOS_SEED to replay)")
+    current = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+    killed = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
+    at = 0
+    try:
+        for _ in range(2):  # wait for a random checkpoint of both jobs, then a little more
+            at = rng.randrange(at + 2, at + 7, 2)  # at most v12 of 23: killed mid-run
+            for job_id in killed.values():
+                checkpoints = CheckpointStore(current.store(), job_id)
+                wait_for(lambda c=checkpoints, v=at: max(c.committed_versions(), default=0) >= v,
+                         timeout_s=120, what=f"job {job_id}'s checkpoint v{at}")  # fmt: skip
+            time.sleep(rng.uniform(0.0, 0.5))
+            states = [current.job(job_id)["state"] for job_id in killed.values()]
+            assert not TERMINAL_STATES & set(states), f"ended before the kill at v{at}: {states}"
+            kill_everything(current)
+            current.gateway.close()
+            current = restart(current)
+        jobs = {name: current.wait_job(job_id, timeout_s=180) for name, job_id in killed.items()}
+        for job in jobs.values():
+            assert job["state"] == "completed" and job["resumed_from"] is not None, job
+            assert_exactly_once(current.ledger(job["id"]), current.train_ids(job), epochs=1)
+        straight = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
+        for name, job_id in straight.items():
+            job = current.wait_job(job_id, timeout_s=120)
+            assert job["state"] == "completed" and job["resumed_from"] is None, job
+            steps = job["plan"]["steps_per_epoch"]
+            weights, losses = exported(current, job_id)
+            weights_killed, losses_killed = exported(current, killed[name])
+            assert len(losses) == steps == job["summary"]["steps"], (len(losses), steps)
+            assert losses_killed == losses, f"{name}: step losses differ"
+            assert weights.keys() == weights_killed.keys()
+            differing = [k for k in weights if not torch.equal(weights[k], weights_killed[k])]
+            assert differing == [], f"{name}: parameters differ in {differing}"
+        sgd, adam = (exported(current, straight[name])[1] for name in OPTIMIZERS)
+        assert sgd != adam and sgd[-1] < sgd[0] and adam[-1] < adam[0]  # two real trainings
+    finally:
+        current.gateway.close()

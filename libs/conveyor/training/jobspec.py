@@ -369,6 +369,39 @@ class DistributionSpec(_Spec):
     routing of batches to partitions), follow its measured throughput; equal: the step is
     split equally and batches are not routed (each trainer reads an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    deterministic: bool = False
+    """Bit-exact training: the same spec gives the same parameters and per-step losses, run
+    straight through or resumed after any number of kills. The trainer takes each step's
+    micro-batches in plan order (waiting for the next one rather than sending a partial step)
+    and seeds torch's RNG per micro-batch from the job seed and the batch id. Needs one trainer
+    (no elastic bounds), sync mode, and no top-k (its residual lives in the trainer's memory)."""
+
+    @field_validator("deterministic")
+    @classmethod
+    def _deterministic_can_hold(cls, deterministic: bool, info: ValidationInfo) -> bool:
+        if not deterministic:
+            return deterministic
+        data = info.data
+        # A step's sums depend on which trainer gets which micro-batch, and top-k's residual
+        # and local mode's inner optimizer live in a trainer's memory, lost with it.
+        if (
+            data.get("trainers", 1) != 1
+            or data.get("min_trainers") not in (None, 1)
+            or (data.get("max_trainers") not in (None, 1))
+        ):
+            raise ValueError(
+                "deterministic needs exactly one trainer (trainers: 1, no min/max_trainers): "
+                "with several, each step's gradient sum depends on which trainer got which batch"
+            )
+        if data.get("mode", "sync") != "sync":
+            raise ValueError(f"deterministic needs mode sync, not {data.get('mode')}")
+        compression = data.get("compression")
+        if compression is not None and compression.kind == "topk":
+            raise ValueError(
+                "deterministic cannot use topk compression: its error-feedback residual lives "
+                "in the trainer and is lost when it is killed (none, fp16 or bf16 can)"
+            )
+        return deterministic
 
     @field_validator("min_trainers")
     @classmethod
@@ -544,6 +577,22 @@ class JobSpec(_Spec):
             raise ValueError(
                 f"max_lead_batches ({flow.max_lead_batches}) must hold one local-mode window: "
                 f"sync_every_steps x micro-batches per step = {window}"
+            )
+        return flow
+
+    @field_validator("flow")
+    @classmethod
+    def _lead_holds_a_step(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training, distribution = info.data.get("training"), info.data.get("distribution")
+        if training is None or distribution is None or not distribution.deterministic:
+            return flow
+        # A deterministic step waits for all its micro-batches (never sends a partial one),
+        # so the sharder's lead must let a whole step's worth be released.
+        step = training.global_batch_size // training.micro_batch_size
+        if flow.max_lead_batches < step:
+            raise ValueError(
+                f"max_lead_batches ({flow.max_lead_batches}) must hold one deterministic step: "
+                f"{step} micro-batches"
             )
         return flow
 
