@@ -17,7 +17,7 @@ import random
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from safetensors.torch import load as load_tensors
 
 from conveyor.cli.client import TERMINAL_STATES, GatewayError
 from conveyor.embedded.procs import ProcessInfo, is_alive
-from conveyor.embedded.state import ServiceInfo
+from conveyor.embedded.state import ServiceInfo, load_state
 from conveyor.training.checkpoint import CheckpointStore
 from conveyor.training.exported import MODEL_FILES
 
@@ -37,8 +37,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 KILLS = 10
 KEEP_LAST = 2
-STACK_ARGS = ["--scale", "aggregator=2", "--scale", "trainer=2", "--health-timeout-s", "180"]
-"""Two trainers: the bit-exact test runs its SGD and Adam jobs side by side."""
+STACK_ARGS = ["--scale", "aggregator=2", "--scale", "trainer=3", "--health-timeout-s", "180"]
+"""Three trainers: the whole-stack test runs three jobs at a time."""
 
 
 @pytest.fixture(scope="module")
@@ -130,81 +130,22 @@ def restart(stack: RunningStack) -> RunningStack:
 
 def kill_everything(stack: RunningStack) -> None:
     """SIGKILL every process of the stack, the broker (it held every topic in memory) and the
-    processes the tests added included."""
-    processes = [s.process for s in stack.state.services] + [
+    processes the tests added included; the supervisor (recorded last) first, so that it
+    restarts nothing meanwhile, and as recorded now (it may have replaced a process)."""
+    state = load_state(stack.state_dir)
+    assert state is not None and state.broker is not None
+    processes = [s.process for s in reversed(state.services)] + [
         ProcessInfo.of(process.pid, stack.state_dir / "logs" / f"{name}.log")
         for name, process in stack.extra
         if process.poll() is None
     ]
-    assert stack.state.broker is not None
-    processes.append(stack.state.broker)
+    processes.append(state.broker)
     for process in processes:
         if is_alive(process):
             os.kill(process.pid, signal.SIGKILL)
     for process in processes:
         wait_for(lambda p=process: not is_alive(p), timeout_s=10, what=f"pid {process.pid} gone")
-
-
-def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exactly_once(
-    stack: RunningStack,
-) -> None:
-    """Resume through the API, then the whole stack killed and started again: the job comes
-    back by itself. One job for both (suite time): what must hold at the end is what an
-    uninterrupted run gives, the step count and each train sample once per epoch."""
-    epochs = 2
-    job_id = stack.submit(
-        digits_spec("resume", epochs=epochs, checkpoint={"every_steps": 5, "keep_last": 3})
-    )
-    with pytest.raises(GatewayError) as running:
-        stack.gateway.resume(job_id)
-    assert running.value.status_code == 409 and "only a failed or cancelled" in str(running.value)
-    checkpoints = CheckpointStore(stack.store(), job_id)
-    # Cancelled in its second epoch (23 steps an epoch), after a checkpoint there.
-    wait_for(lambda: max(checkpoints.committed_versions(), default=0) >= 25, timeout_s=120,
-             what="a checkpoint in the second epoch")  # fmt: skip
-    stack.gateway.cancel(job_id)
-    assert stack.wait_job(job_id)["state"] == "cancelled"
-
-    gateway = str(stack.state.gateway_url)
-    resumed = conveyor("resume", job_id, "--gateway", gateway, env=stack.env)
-    assert resumed.returncode == 0, resumed.stderr
-    found = re.fullmatch(rf"job {job_id} resumed from checkpoint v(\d+)\n", resumed.stdout)
-    assert found is not None, resumed.stdout
-    version = int(found[1])
-    assert version >= 25, version  # the newest usable one
-    wait_for(lambda: max(checkpoints.committed_versions()) >= version + 5, timeout_s=120,
-             what="a checkpoint of the resumed run")  # fmt: skip
-
-    kill_everything(stack)
-    again = restart(stack)
-    try:
-        wait_for(lambda: job_id in {j["id"] for j in again.gateway.jobs(limit=10)},
-                 timeout_s=60, what="the job to come back by itself")  # fmt: skip
-        job = again.wait_job(job_id, timeout_s=180)
-        assert job["state"] == "completed", job.get("reason")
-        # The newest *usable* checkpoint: a later one whose ended epoch's eval it lacks is not,
-        # so on a fast machine this can be the first resume's own checkpoint again.
-        assert job["resumed_from"] >= version, (job["resumed_from"], version)
-        summary = job["summary"]
-        assert summary["steps"] == job["plan"]["steps_per_epoch"] * epochs, summary
-        assert summary["epochs"] == epochs
-        assert_exactly_once(again.ledger(job_id), again.train_ids(job), epochs=epochs)
-
-        with pytest.raises(GatewayError) as completed:
-            again.gateway.resume(job_id)
-        assert completed.value.status_code == 409
-        with pytest.raises(GatewayError) as unknown:
-            again.gateway.resume("no-such-job")
-        assert unknown.value.status_code == 404
-        failed = again.submit(digits_spec("resume-nothing", dataset={"uri": "builtin://nope"}))
-        assert again.wait_job(failed)["state"] == "failed"
-        with pytest.raises(GatewayError) as nothing:
-            again.gateway.resume(failed)
-        assert nothing.value.status_code == 409 and "no checkpoint" in str(nothing.value)
-        wait_for(lambda: not again.store().list("registry/jobs/"), timeout_s=10,
-                 what="the registry to forget the ended jobs")  # fmt: skip
-    finally:
-        again.gateway.close()
+    stack.gateway.close()
 
 
 OPTIMIZERS = {
@@ -225,56 +166,128 @@ def exact_spec(optimizer: str) -> dict[str, Any]:
     return spec
 
 
-def exported(stack: RunningStack, job_id: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The job's exported weights and per-step losses, as `conveyor model pull` gets them."""
+def kill_past_a_checkpoint(
+    stack: RunningStack, job_ids: Iterable[str], rng: random.Random, after: int
+) -> int:
+    """Once every job has committed a random checkpoint past version ``after`` (at most 6
+    later: a 23-step job is still running), wait up to 0.5 s more and kill the whole stack;
+    returns that version."""
+    at = rng.randrange(after + 2, after + 7, 2)
+    for job_id in job_ids:
+        checkpoints = CheckpointStore(stack.store(), job_id)
+        wait_for(lambda c=checkpoints: max(c.committed_versions(), default=0) >= at,
+                 timeout_s=120, what=f"job {job_id}'s checkpoint v{at}")  # fmt: skip
+        assert stack.job(job_id)["state"] not in TERMINAL_STATES, f"ended before v{at}"
+    time.sleep(rng.uniform(0.0, 0.5))
+    kill_everything(stack)
+    return at
+
+
+Exported = tuple[dict[str, torch.Tensor], list[float]]
+
+
+def exported(stack: RunningStack, job_id: str) -> Exported:
+    """The job's exported weights and per-step losses, as `conveyor model pull` gets them
+    (through the gateway, which knows the job until the stack is killed)."""
     files = {name: stack.gateway.model_file(job_id, name) for name in MODEL_FILES}
     losses: list[float] = json.loads(files["losses.json"])["step_losses"]
     return load_tensors(files["model.safetensors"]), losses
 
 
-def test_deterministic_jobs_killed_twice_with_the_whole_stack_end_bit_exact(
+def assert_bit_exact(
+    stack: RunningStack, straight: dict[str, Exported], killed: dict[str, str]
+) -> None:
+    """Each optimizer's killed job ended as its straight run: exported parameters equal bit
+    for bit, every step's loss equal, the ledger exactly once."""
+    for name, job_id in killed.items():
+        job = stack.wait_job(job_id, timeout_s=180)
+        assert job["state"] == "completed" and job["resumed_from"] is not None, job
+        assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=1)
+        weights, losses = straight[name]
+        weights_killed, losses_killed = exported(stack, job_id)
+        assert len(losses) == job["plan"]["steps_per_epoch"] == job["summary"]["steps"]
+        assert losses_killed == losses, f"{name}: step losses differ"
+        assert weights.keys() == weights_killed.keys()
+        differing = [k for k in weights if not torch.equal(weights[k], weights_killed[k])]
+        assert differing == [], f"{name}: parameters differ in {differing}"
+    sgd, adam = (straight[name][1] for name in OPTIMIZERS)
+    assert sgd != adam and sgd[-1] < sgd[0] and adam[-1] < adam[0]  # two real trainings
+
+
+def test_jobs_resumed_through_the_api_and_after_two_whole_stack_kills(
     stack: RunningStack,
 ) -> None:
-    """SGD with momentum and Adam, each run as a deterministic job that the whole stack (broker
-    included) is SIGKILLed under twice, at random points past a random checkpoint, and resumes
-    on its own; then the same specs run straight through. Final parameters (the exported
-    models) equal bit for bit, and so does every step's loss, as the trainers computed it."""
+    """Resume through the API, then the whole stack killed and started again twice: jobs come
+    back by themselves. One stack's story for three claims (suite time):
+
+    - a job cancelled and resumed, then killed with the stack, ends with what an uninterrupted
+      run gives: the step count, each train sample once per epoch;
+    - deterministic jobs (SGD with momentum, Adam) killed twice at random points past a random
+      checkpoint end bit-exact: the same exported parameters and per-step losses as the same
+      specs run straight through (while the first job trained, before any kill);
+    - the resume route's refusals (running, completed, unknown, no checkpoint)."""
     seed = int(os.environ.get("CONVEYOR_CHAOS_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
-    print(f"exact seed {seed} (set CONVEYOR_CHAOS_SEED to replay)")
-    current = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
-    killed = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
-    at = 0
+    print(f"whole-stack seed {seed} (set CONVEYOR_CHAOS_SEED to replay)")
+    epochs = 2
+    job_id = stack.submit(
+        digits_spec("resume", epochs=epochs, checkpoint={"every_steps": 5, "keep_last": 3})
+    )
+    straight = {name: stack.submit(exact_spec(name)) for name in OPTIMIZERS}
+    with pytest.raises(GatewayError) as running:
+        stack.gateway.resume(job_id)
+    assert running.value.status_code == 409 and "only a failed or cancelled" in str(running.value)
+    checkpoints = CheckpointStore(stack.store(), job_id)
+    # Cancelled in its second epoch (23 steps an epoch), after a checkpoint there.
+    wait_for(lambda: max(checkpoints.committed_versions(), default=0) >= 25, timeout_s=120,
+             what="a checkpoint in the second epoch")  # fmt: skip
+    stack.gateway.cancel(job_id)
+    assert stack.wait_job(job_id)["state"] == "cancelled"
+
+    gateway = str(stack.state.gateway_url)
+    resumed = conveyor("resume", job_id, "--gateway", gateway, env=stack.env)
+    assert resumed.returncode == 0, resumed.stderr
+    found = re.fullmatch(rf"job {job_id} resumed from checkpoint v(\d+)\n", resumed.stdout)
+    assert found is not None, resumed.stdout
+    version = int(found[1])
+    assert version >= 25, version  # the newest usable one
+    for straight_id in straight.values():  # never killed: done before the first kill
+        assert stack.wait_job(straight_id, timeout_s=120)["state"] == "completed"
+    straight_runs = {name: exported(stack, straight_id) for name, straight_id in straight.items()}
+    killed = {name: stack.submit(exact_spec(name)) for name in OPTIMIZERS}
+    wait_for(lambda: max(checkpoints.committed_versions()) >= version + 5, timeout_s=120,
+             what="a checkpoint of the resumed run")  # fmt: skip
+
+    at = kill_past_a_checkpoint(stack, killed.values(), rng, after=0)
+    again = restart(stack)
     try:
-        for _ in range(2):  # wait for a random checkpoint of both jobs, then a little more
-            at = rng.randrange(at + 2, at + 7, 2)  # at most v12 of 23: killed mid-run
-            for job_id in killed.values():
-                checkpoints = CheckpointStore(current.store(), job_id)
-                wait_for(lambda c=checkpoints, v=at: max(c.committed_versions(), default=0) >= v,
-                         timeout_s=120, what=f"job {job_id}'s checkpoint v{at}")  # fmt: skip
-            time.sleep(rng.uniform(0.0, 0.5))
-            states = [current.job(job_id)["state"] for job_id in killed.values()]
-            assert not TERMINAL_STATES & set(states), f"ended before the kill at v{at}: {states}"
-            kill_everything(current)
-            current.gateway.close()
-            current = restart(current)
-        jobs = {name: current.wait_job(job_id, timeout_s=180) for name, job_id in killed.items()}
-        for job in jobs.values():
-            assert job["state"] == "completed" and job["resumed_from"] is not None, job
-            assert_exactly_once(current.ledger(job["id"]), current.train_ids(job), epochs=1)
-        straight = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
-        for name, job_id in straight.items():
-            job = current.wait_job(job_id, timeout_s=120)
-            assert job["state"] == "completed" and job["resumed_from"] is None, job
-            steps = job["plan"]["steps_per_epoch"]
-            weights, losses = exported(current, job_id)
-            weights_killed, losses_killed = exported(current, killed[name])
-            assert len(losses) == steps == job["summary"]["steps"], (len(losses), steps)
-            assert losses_killed == losses, f"{name}: step losses differ"
-            assert weights.keys() == weights_killed.keys()
-            differing = [k for k in weights if not torch.equal(weights[k], weights_killed[k])]
-            assert differing == [], f"{name}: parameters differ in {differing}"
-        sgd, adam = (exported(current, straight[name])[1] for name in OPTIMIZERS)
-        assert sgd != adam and sgd[-1] < sgd[0] and adam[-1] < adam[0]  # two real trainings
+        wait_for(lambda: job_id in {j["id"] for j in again.gateway.jobs(limit=10)},
+                 timeout_s=60, what="the job to come back by itself")  # fmt: skip
+        kill_past_a_checkpoint(again, killed.values(), rng, after=at)
+        again = restart(again)
+        job = again.wait_job(job_id, timeout_s=180)
+        assert job["state"] == "completed", job.get("reason")
+        # The newest *usable* checkpoint: a later one whose ended epoch's eval it lacks is not,
+        # so on a fast machine this can be the first resume's own checkpoint again.
+        assert job["resumed_from"] >= version, (job["resumed_from"], version)
+        summary = job["summary"]
+        assert summary["steps"] == job["plan"]["steps_per_epoch"] * epochs, summary
+        assert summary["epochs"] == epochs
+        assert_exactly_once(again.ledger(job_id), again.train_ids(job), epochs=epochs)
+        assert_bit_exact(again, straight_runs, killed)
+
+        with pytest.raises(GatewayError) as completed:
+            again.gateway.resume(job_id)
+        assert completed.value.status_code == 409
+        with pytest.raises(GatewayError) as unknown:
+            again.gateway.resume("no-such-job")
+        assert unknown.value.status_code == 404
+        failed = again.submit(digits_spec("resume-nothing", dataset={"uri": "builtin://nope"}))
+        assert again.wait_job(failed)["state"] == "failed"
+        with pytest.raises(GatewayError) as nothing:
+            again.gateway.resume(failed)
+        assert nothing.value.status_code == 409 and "no checkpoint" in str(nothing.value)
+        wait_for(lambda: not again.store().list("registry/jobs/"), timeout_s=10,
+                 what="the registry to forget the ended jobs")  # fmt: skip
     finally:
-        current.gateway.close()
+        again.gateway.close()
