@@ -155,24 +155,27 @@ OPTIMIZERS = {
 
 
 def exact_spec(optimizer: str) -> dict[str, Any]:
-    """One epoch of digits (23 steps), deterministic, a checkpoint every 2 steps."""
+    """One epoch of digits in 12 steps of two micro-batches of 64, deterministic, a checkpoint
+    every 2 steps."""
     spec = digits_spec(
         f"exact-{optimizer}",
         epochs=1,
         distribution={"trainers": 1, "aggregator_shards": 2, "deterministic": True},
         checkpoint={"every_steps": 2, "keep_last": 2},
     )
-    spec["training"]["optimizer"] = OPTIMIZERS[optimizer]
+    spec["training"].update(
+        optimizer=OPTIMIZERS[optimizer], global_batch_size=128, micro_batch_size=64
+    )
     return spec
 
 
 def kill_past_a_checkpoint(
     stack: RunningStack, job_ids: Iterable[str], rng: random.Random, after: int
 ) -> int:
-    """Once every job has committed a random checkpoint past version ``after`` (at most 6
-    later: a 23-step job is still running), wait up to 0.5 s more and kill the whole stack;
+    """Once every job has committed a random checkpoint past version ``after`` (2 or 4 later:
+    twice that, a 12-step job still runs), wait up to 0.5 s more and kill the whole stack;
     returns that version."""
-    at = rng.randrange(after + 2, after + 7, 2)
+    at = rng.randrange(after + 2, after + 5, 2)
     for job_id in job_ids:
         checkpoints = CheckpointStore(stack.store(), job_id)
         wait_for(lambda c=checkpoints: max(c.committed_versions(), default=0) >= at,
@@ -180,6 +183,7 @@ def kill_past_a_checkpoint(
         assert stack.job(job_id)["state"] not in TERMINAL_STATES, f"ended before v{at}"
     time.sleep(rng.uniform(0.0, 0.5))
     kill_everything(stack)
+    print(f"killed the whole stack past checkpoint v{at}")
     return at
 
 
