@@ -44,6 +44,13 @@ def two_services(monkeypatch: pytest.MonkeyPatch) -> None:
             "sharder": registry.ServiceSpec(entry=f"{__name__}:fake_main"),
         },
     )
+    # `conveyor service` ends its process with os._exit once the service stopped; in process
+    # that would end pytest, so it becomes the SystemExit the runner records.
+    monkeypatch.setattr(os, "_exit", _raise_exit)
+
+
+def _raise_exit(code: int) -> None:
+    raise SystemExit(code)
 
 
 @pytest.fixture(autouse=True)

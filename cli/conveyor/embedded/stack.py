@@ -266,7 +266,7 @@ def start_stack(
             if probe_stack(existing).healthy:
                 return StartOutcome(state=existing, already_running=True)
             notify("A recorded stack is partly down: stopping what is left of it")
-            _stop_recorded(existing, config.stop_timeout_s)
+            _stop_recorded(existing, _stale_stop_timeout_s(existing, config.stop_timeout_s))
             remove_state(config.state_dir)
             replaced = True
         state = _start_fresh(config, registered, argv_for, notify)
@@ -282,6 +282,18 @@ def _stop_recorded(state: StackState, timeout_s: float) -> StopResult:
         killed=services.killed + broker.killed,
         already_gone=services.already_gone + broker.already_gone,
     )
+
+
+ORPHAN_STOP_TIMEOUT_S = 2.0
+"""How long services of a stack whose embedded broker is gone get to stop before SIGKILL."""
+
+
+def _stale_stop_timeout_s(state: StackState, stop_timeout_s: float) -> float:
+    """Services whose embedded broker died have nothing left to flush or commit to, and their
+    drain would only wait on it: they get a short grace instead of the full stop timeout."""
+    if state.broker is not None and not is_alive(state.broker):
+        return min(stop_timeout_s, ORPHAN_STOP_TIMEOUT_S)
+    return stop_timeout_s
 
 
 def stop_stack(state_dir: Path, *, timeout_s: float = 15.0) -> StopOutcome | None:

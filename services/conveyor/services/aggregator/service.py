@@ -14,7 +14,9 @@ backoff; any other error ends the process so that its supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -64,7 +66,18 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
         return [self._warm_up()]
 
     async def _warm_up(self) -> None:
-        await asyncio.to_thread(warm_up)
+        # A daemon thread rather than the loop's executor: the loop's executor is joined when
+        # the loop closes, so a stop during the warm-up would wait seconds for torch's imports.
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def work() -> None:
+            warm_up()
+            with contextlib.suppress(RuntimeError):  # the loop closed: the service stopped
+                loop.call_soon_threadsafe(_resolve, done)
+
+        threading.Thread(target=work, name="aggregator-warm-up", daemon=True).start()
+        await done
         self._warmed = True
 
     async def prepare_job(self, job: JobView) -> tuple[JobContext, ObjectStore]:
@@ -102,3 +115,8 @@ class AggregatorService(JobHostService[tuple[JobContext, ObjectStore]]):
     def _reported_epochs(self, job_id: str) -> dict[int, Any]:
         job = self.view.get(job_id)
         return job.epochs if job is not None else {}
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # cancelled when the service stopped first
+        future.set_result(None)
