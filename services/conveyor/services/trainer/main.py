@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
@@ -18,10 +17,6 @@ def main(argv: list[str]) -> int:
     if argv:
         print(f"conveyor service trainer takes no arguments, got {argv}", file=sys.stderr)
         return 2
-    # torch's deterministic algorithms (a deterministic job on CUDA) need a fixed cuBLAS
-    # workspace, which cuBLAS reads once per process: set before any job runs, unless the
-    # operator chose one. 8 x 4 MiB per stream.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     service = TrainerService(
         settings=TrainerSettings(),
         kafka=KafkaSettings(),
