@@ -21,6 +21,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from conveyor.embedded import registry
 from conveyor.embedded import stack as stack_module
 from conveyor.embedded.health import HealthError, wait_until_healthy
 from conveyor.embedded.procs import ProcessInfo, is_alive
@@ -47,6 +48,14 @@ def conveyor(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
         env=env or _env(),
         timeout=120,
     )
+
+
+# Only the gateway beside the broker and the store: the tests that pass these check the stack's
+# bookkeeping (stale records, external Kafka, the S3 bucket, foreground stop), which is the
+# same for one service as for all; test_up_status_round_trip_idempotent_down runs every service.
+GATEWAY_ONLY = tuple(
+    arg for name in registry.SERVICES if name != "gateway" for arg in ("--scale", f"{name}=0")
+)
 
 
 def _pid_gone(pid: int, timeout_s: float = 5.0) -> bool:
@@ -130,7 +139,7 @@ def test_up_status_round_trip_idempotent_down(tmp_path: Path) -> None:
 
 def test_stale_stack_is_reported_then_replaced(tmp_path: Path) -> None:
     state_dir = str(tmp_path)
-    assert conveyor("up", "--state-dir", state_dir).returncode == 0
+    assert conveyor("up", "--state-dir", state_dir, *GATEWAY_ONLY).returncode == 0
     first = load_state(tmp_path)
     assert first is not None and first.broker is not None
     os.kill(first.broker.pid, signal.SIGKILL)
@@ -141,7 +150,7 @@ def test_stale_stack_is_reported_then_replaced(tmp_path: Path) -> None:
     broker = json.loads(status.stdout)["components"][0]
     assert (broker["alive"], broker["healthy"]) == (False, False)
 
-    again = conveyor("up", "--state-dir", state_dir, "--json")
+    again = conveyor("up", "--state-dir", state_dir, *GATEWAY_ONLY, "--json")
     assert again.returncode == 0, again.stderr
     second = json.loads(again.stdout)
     assert second["replaced_stale"] is True and second["already_running"] is False
@@ -161,7 +170,9 @@ def test_missing_broker_binary_is_a_message(tmp_path: Path) -> None:
 
 def test_external_kafka_is_used_not_started(tmp_path: Path, kafka_bootstrap: str) -> None:
     state_dir = str(tmp_path)
-    started = conveyor("up", "--state-dir", state_dir, "--kafka", kafka_bootstrap, "--json")
+    started = conveyor(
+        "up", "--state-dir", state_dir, "--kafka", kafka_bootstrap, *GATEWAY_ONLY, "--json"
+    )
     assert started.returncode == 0, started.stderr
     stack = json.loads(started.stdout)["stack"]
     assert (stack["bootstrap"], stack["broker"]) == (kafka_bootstrap, None)
@@ -183,7 +194,7 @@ def test_s3_store_gets_its_bucket(tmp_path: Path, s3_server: dict[str, str]) -> 
         *("--s3-region", s3_server["region"]),
         *("--storage-uri", f"s3://{bucket}/runs"),
     ]
-    started = conveyor("up", "--state-dir", str(tmp_path), *args, "--json")
+    started = conveyor("up", "--state-dir", str(tmp_path), *args, *GATEWAY_ONLY, "--json")
     assert started.returncode == 0, started.stderr
     stack = json.loads(started.stdout)["stack"]
     assert (stack["storage_uri"], stack["storage_endpoint"]) == (
@@ -204,13 +215,22 @@ def test_s3_store_gets_its_bucket(tmp_path: Path, s3_server: dict[str, str]) -> 
 
 def test_foreground_stops_the_stack_on_sigterm(tmp_path: Path) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor", "up", "--state-dir", str(tmp_path), "--foreground"],
+        [
+            sys.executable,
+            "-m",
+            "conveyor",
+            "up",
+            "--state-dir",
+            str(tmp_path),
+            "--foreground",
+            *GATEWAY_ONLY,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=_env(),
     )
     try:
-        # Generous: four real services import torch at once (tens of seconds on two busy cores).
+        # Generous: the gateway imports torch (tens of seconds on two busy cores).
         deadline = time.monotonic() + 120
         while (state := load_state(tmp_path)) is None or not probe_stack(state).healthy:
             assert process.poll() is None and time.monotonic() < deadline

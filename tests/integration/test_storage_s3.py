@@ -17,12 +17,12 @@ from storage_backends import MiB, payload, pending_uploads, raw_client, s3_setti
 
 from conveyor.embedded.broker import free_port
 from conveyor.platform.storage import (
-    S3ObjectStore,
     StorageError,
     StorageUnavailable,
     open_store,
     sha256_hex,
 )
+from conveyor.platform.storage.s3 import S3ObjectStore
 
 
 @pytest.fixture

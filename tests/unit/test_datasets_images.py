@@ -18,7 +18,6 @@ from conveyor.training.datasets import (
     DatasetError,
     EncodedDataset,
     ImageFolderDataset,
-    ParquetDataset,
     WebDataset,
     decode_image,
     open_dataset,
@@ -28,6 +27,7 @@ from conveyor.training.datasets import (
 from conveyor.training.datasets.images import encode_jpeg, encode_png
 from conveyor.training.datasets.location import dataset_location
 from conveyor.training.datasets.pack_webdataset import is_image_folder, pack_imagefolder
+from conveyor.training.datasets.parquet import ParquetDataset
 from conveyor.training.datasets.webdataset import expand_braces
 
 

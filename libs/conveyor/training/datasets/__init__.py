@@ -50,7 +50,6 @@ from conveyor.training.datasets.images import BadImage, decode_image
 from conveyor.training.datasets.manifest import Manifest, ShardEntry
 from conveyor.training.datasets.npz import NpzDataset
 from conveyor.training.datasets.pack import PackResult, load_arrays, pack_idx, pack_npz, pack_source
-from conveyor.training.datasets.parquet import ParquetDataset
 from conveyor.training.datasets.synthetic import SyntheticDataset, open_synthetic
 from conveyor.training.datasets.tokens import TokenDataset
 from conveyor.training.datasets.webdataset import WebDataset
@@ -74,7 +73,6 @@ __all__ = [
     "Manifest",
     "NpzDataset",
     "PackResult",
-    "ParquetDataset",
     "ShardEntry",
     "SyntheticDataset",
     "TokenDataset",
@@ -101,9 +99,17 @@ _OPENERS: dict[str, _Opener] = {
     "mnist-idx": lambda uri, _storage: IdxDataset(uri),
     "imagefolder": lambda uri, storage: ImageFolderDataset(uri, storage=storage),
     "webdataset": lambda uri, storage: WebDataset(uri, storage=storage),
-    "parquet": lambda uri, storage: ParquetDataset(uri, storage=storage),
+    "parquet": lambda uri, storage: _open_parquet(uri, storage),
     "tokens": lambda uri, storage: TokenDataset(uri, storage=storage),
 }
+
+
+def _open_parquet(uri: str, storage: StorageSettings | None) -> EncodedDataset:
+    # pyarrow is imported by parquet:// jobs only: at module level it cost every service process
+    # most of a second of CPU at start, on machines where few jobs read Parquet.
+    from conveyor.training.datasets.parquet import ParquetDataset
+
+    return ParquetDataset(uri, storage=storage)
 
 
 def known_schemes() -> list[str]:
