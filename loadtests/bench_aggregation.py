@@ -45,6 +45,7 @@ The last line printed is one JSON object:
 
     .venv/bin/python -m loadtests.bench_aggregation            # 3 repeats
     .venv/bin/python -m loadtests.bench_aggregation --quick    # smoke run
+    .venv/bin/python -m loadtests.bench_aggregation --quick --no-reference   # the stack only
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from rich.table import Table
 
 from loadtests._bench_common import ConveyorStack, JobWatcher, scale_supported, thread_cpu_seconds
 from loadtests.ddp_baseline import Case, run_baselines
+from loadtests.plane_hops import HOPS, Stamped, median_hops, step_hops
 from loadtests.topk_reference import REFERENCE_SEEDS, investigate, reference_accuracy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +246,8 @@ class PlaneWatcher(JobWatcher):
         """(version, closed_at, num_samples, contribution ids) in log order."""
         self.contributions: dict[str, tuple[str, int, int]] = {}
         """contribution id -> (worker id, grad_bytes, num_samples)."""
+        self.stamps: dict[str, Stamped] = {}
+        """contribution id -> its stamps (loadtests.plane_hops)."""
         self.last_activity = time.monotonic()
         """When the last StepClose or Contribution was read (monotonic seconds)."""
 
@@ -262,6 +266,17 @@ class PlaneWatcher(JobWatcher):
             self.contributions.setdefault(
                 message.contribution_id,
                 (message.worker_id, message.grad_bytes, message.num_samples),
+            )
+            self.stamps.setdefault(
+                message.contribution_id,
+                Stamped(
+                    base_version=message.base_version,
+                    sent_at=message.sent_at,
+                    params_published_at=message.params_published_at,
+                    params_received_at=message.params_received_at,
+                    started_at=message.started_at,
+                    computed_at=message.computed_at,
+                ),
             )
 
 
@@ -352,6 +367,8 @@ def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
         for part in STEP_PARTS:
             if split.get(part) is not None:
                 parts[part].append(float(split[part]))
+    # The hops of the window's steps (the warm-up left out, as for the per-step time).
+    hops = step_hops({c[0]: (c[1], c[3]) for c in closes if c[0] > warmup}, watcher.stamps)
     cpu = {k: v - (cpu_before.get(k) or 0.0) for k, v in cpu_after.items() if v is not None}
     runq = {k: v - (runq_before.get(k) or 0.0) for k, v in runq_after.items() if v is not None}
     return {
@@ -370,6 +387,8 @@ def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
         "summary_steps": summary.get("steps"),
         "rejections": summary.get("rejections"),
         "step_parts_s": {p: statistics.median(v) for p, v in parts.items() if v},
+        "hops_s": median_hops(hops),
+        "hop_steps": len(hops),
         "cpu_per_step_s": {k: v / steps for k, v in cpu.items()} if steps else {},
         "runq_per_step_s": {k: v / steps for k, v in runq.items()} if steps else {},
     }
@@ -471,6 +490,8 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
     for repeat in range(before_stack, args.repeats):
         measure_baselines(args, cases, runs, repeat)
         load.append(os.getloadavg()[0])
+    if args.no_reference:
+        return
     for kind, name in (("none", "dense"), ("topk", "topk")):
         spec = digits_spec(epochs=args.digits_epochs, compression=kind)
         runs.reference[name] = [
@@ -562,6 +583,24 @@ def report(
             _num(median(runs.values(name, "rejections")), ".0f"),
         )
     out.print(where)
+
+    hop_names = (*HOPS, "plane", "barrier", "step")
+    hops = Table(title="Conveyor: hops of a sync step, median ms (loadtests/plane_hops.py: "
+                 "StepClose v -> the last trainer's Contribution -> StepClose v+1)")  # fmt: skip
+    for column in ("job", "steps", *hop_names):
+        hops.add_column(column, justify="left" if column == "job" else "right")
+    for name in [case.name for case in cases] + ["topk"]:
+        found = [h for h in runs.values(name, "hops_s") if h]
+        if not found:
+            continue
+        medians = {hop: median(h.get(hop) for h in found) for hop in hop_names}
+        hops.add_row(name, _num(median(runs.values(name, "hop_steps")), ".0f"),
+                     *(ms(medians[hop]) for hop in hop_names))  # fmt: skip
+        if name != "topk":
+            prefix = "" if name == "small_cnn" else f"{name}_"
+            for hop in hop_names:
+                extras[f"{prefix}hop_{hop}_ms"] = _scaled(medians[hop], 1000)
+    out.print(hops)
 
     jobs = [name for name in (*(case.name for case in cases), "topk", "fp16", "bf16")
             if name in runs.jobs]  # fmt: skip
@@ -732,6 +771,9 @@ def main() -> None:
         "--resnet-repeats", type=int, default=1, help="repeats that include resnet18 (the first N)"
     )
     parser.add_argument("--baseline-steps", type=int, default=100, help="small_cnn timed steps")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="leave out the in-process top-k reference (minutes of CPU; "
+                        "topk_accuracy_delta is then the system's)")  # fmt: skip
     parser.add_argument("--investigate", type=int, default=0, metavar="SEEDS",
                         help="only run the in-process reference variants for SEEDS seeds "
                         "(no stack, no baselines)")  # fmt: skip

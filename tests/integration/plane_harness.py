@@ -37,8 +37,9 @@ from conveyor.services.sharder.service import SharderService
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.service import TrainerService
 from conveyor.training.datasets import open_dataset
+from conveyor.training.joblog import JobLogReader
 from conveyor.training.jobspec import JobSpec
-from conveyor.training.jobview import JobLogReader, JobsView, JobView
+from conveyor.training.jobview import JobsView, JobView
 
 MEMBER_TIMEOUT_S = 3.0
 

@@ -55,11 +55,17 @@ class Replica:
         return parameters_to_vector(grads), samples
 
 
+Encode = Callable[[str, torch.Tensor, int], torch.Tensor]
+"""(worker id, fp32 [N] summed-loss gradient, samples) -> the fp32 [N] gradient as applied
+(compression: encoded by that worker's encoder, decoded)."""
+
+
 def replay(
     run: Run,
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     *,
     lr: float | None = None,
+    encode: Encode | None = None,
 ) -> list[torch.Tensor]:
     """Plain single-process training through the run's StepCloses in version order: the
     flat parameters [N] at every version.
@@ -69,7 +75,8 @@ def replay(
     its batches in one accumulation; the step's gradient is their sum in the close's order
     (the order of float additions the protocol defines) divided by the step's sample count,
     then one optimizer step over ``model.parameters()`` at the close's lr (``lr``: at this
-    one instead).
+    one instead). ``encode``: what compression makes of each contribution's gradient, called
+    in version order (each worker's contributions in the order it computed them).
     """
     replica = Replica(run)
     params = list(replica.model.parameters())
@@ -88,7 +95,7 @@ def replay(
                 )
                 assert samples == contribution.num_samples == entry.num_samples
                 if samples:
-                    step_grad += grad
+                    step_grad += grad if encode is None else encode(entry.worker_id, grad, samples)
                 batch_ids += contribution.batch_ids
             assert batch_ids == close.batch_ids, f"version {version}"
             step_grad /= close.num_samples
@@ -169,13 +176,14 @@ def assert_replays(
     make_optimizer: MakeOptimizer,
     *,
     lr: float | None = None,
+    encode: Encode | None = None,
     replayed: list[torch.Tensor] | None = None,
 ) -> None:
     """Every published version equals the replay (property 1 of test_gradient_plane.py's
-    docstring); ``lr``: see :func:`replay`; ``replayed``: versions replayed another way
-    (:func:`replay_local`)."""
+    docstring); ``lr``, ``encode``: see :func:`replay`; ``replayed``: versions replayed
+    another way (:func:`replay_local`)."""
     if replayed is None:
-        replayed = replay(run, make_optimizer, lr=lr)
+        replayed = replay(run, make_optimizer, lr=lr, encode=encode)
     # Version 0 is the same seeded build everywhere: bit-identical.
     assert torch.equal(replayed[0], run.flat_params(0))
     # Same batches, same kernels on one thread, same order of additions: what is left to

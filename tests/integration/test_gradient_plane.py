@@ -13,7 +13,9 @@ batches, grads and params topics while it runs, then checks:
    s, some are stale, the summary agrees, every train sample is applied exactly once, and
    the stale gradients were applied as computed on their base versions (the replay).
 3. Compression: top-k (1 %, error feedback) and fp16 against dense on the same job: the
-   gradient bytes on the wire, counted from the GradSlices themselves and as reported.
+   gradient bytes on the wire, counted from the GradSlices themselves and as reported; the
+   top-k run equals a single-process replay whose gradients go through each worker's own
+   encoder (sparse updates weighted by samples, momentum correction on the trainers).
 
 The jobs share one pipeline (module fixture); each job gets its own two trainers, which must
 be free again right after their job completed.
@@ -38,6 +40,8 @@ from torch import nn
 
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import GradSlice
+from conveyor.services.trainer.plane.gradients import SliceEncoder
+from conveyor.training.compression import decode_slice
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.slicing import ParamLayout, build_job_model
 
@@ -138,6 +142,22 @@ async def test_sync_training_equals_a_single_process_replay_of_its_step_closes(
     assert len(both) >= final // 2, "the steps were not shared by both trainers"
     assert_exactly_once(plane.objects, run.job_id, run.spec)
     assert_replays(run, make_optimizer)
+    assert_stamped_in_order(run)
+
+
+def assert_stamped_in_order(run: Run) -> None:
+    """Every contribution with samples times its step (loadtests/plane_hops.py): its base's
+    close, that version's last ParamSlice publish, its arrival, the step's start, the encoded
+    gradient and the acknowledged slices follow each other (one clock: one machine)."""
+    stamped = [c for c in run.contributions.values() if c.num_samples > 0 and c.base_version > 0]
+    assert len(stamped) >= 10
+    for c in stamped:
+        published = max(run.params[(p, c.base_version)].published_at
+                        for p in range(run.num_slices))  # fmt: skip
+        assert c.params_published_at == published, c.contribution_id
+        times = [run.closes[c.base_version].closed_at, c.params_published_at,
+                 c.params_received_at, c.started_at, c.computed_at, c.sent_at]  # fmt: skip
+        assert times == sorted(times), (c.contribution_id, times)
 
 
 # -- 2. bounded staleness ------------------------------------------------------------------
@@ -236,6 +256,25 @@ async def test_topk_and_fp16_cut_the_gradient_bytes_on_the_wire(plane: Plane) ->
     assert dense_mean / topk_mean >= 60
     totals = {r.job_id: r.summary["grad_bytes_total"] for r in (dense, topk, fp16)}
     print(f"grad bytes per contribution {per_contribution}; job totals {totals}")
+    assert_topk_replays(topk, bounds)
+
+
+def assert_topk_replays(run: Run, bounds: list[tuple[int, int]]) -> None:
+    """The sparse updates are weighted and applied as one process computes them: each
+    worker's gradients through its own top-k encoder (error feedback, momentum correction:
+    the velocity on the trainer), decoded, summed, divided by the step's samples, one SGD
+    step without momentum (the aggregator's under momentum correction) at every version."""
+    assert not run.rejections  # a rejection would undo an encoding (not replayed here)
+    spec = JobSpec.from_dict(run.spec)
+    encoders: dict[str, SliceEncoder] = {}
+
+    def encode(worker: str, grad: torch.Tensor, samples: int) -> torch.Tensor:
+        encoder = encoders.setdefault(worker, SliceEncoder.for_job(spec, bounds))
+        slices = encoder.encode(grad, samples).slices
+        return torch.cat([decode_slice(s.encoding, s.values, s.indices, s.numel) for s in slices])
+
+    assert_replays(run, lambda ps: torch.optim.SGD(ps, lr=0.1), encode=encode)
+    assert set(encoders) == {"t-a", "t-b"}
 
 
 def _non_empty(run: Run) -> int:

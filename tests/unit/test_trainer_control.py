@@ -286,26 +286,31 @@ def test_acks_wait_for_the_log() -> None:
 # -- ParamAssembler -------------------------------------------------------------------------
 
 
-def part(index: int, version: int, values: list[float]) -> ParamSlice:
+def part(index: int, version: int, values: list[float], published_at: float = 0.0) -> ParamSlice:
     return ParamSlice(
         job_id=JOB, slice_index=index, version=version,
-        values=torch.tensor(values, dtype=torch.float32), published_at=0.0,
+        values=torch.tensor(values, dtype=torch.float32), published_at=published_at,
     )  # fmt: skip
 
 
 def test_a_version_is_complete_once_every_slice_is_in() -> None:
     params = ParamAssembler([(0, 2), (2, 5)])
-    assert params.add(part(1, 0, [3, 4, 5])) is False and params.version is None
-    assert params.add(part(0, 1, [9, 9])) is False
-    assert params.add(part(0, 0, [1, 2])) is True
+    assert params.add(part(1, 0, [3, 4, 5], 7.0), received_at=10.0) is False
+    assert params.version is None and params.received_at is None
+    assert params.add(part(0, 1, [9, 9], 9.0), received_at=11.0) is False
+    assert params.add(part(0, 0, [1, 2], 5.0), received_at=12.0) is True
     assert params.version == 0 and params.flat is not None
     assert params.flat.tolist() == [1, 2, 3, 4, 5]
-    assert params.add(part(1, 1, [8, 8, 8])) is True and params.version == 1
-    assert params.add(part(0, 0, [0, 0])) is False and params.version == 1  # older: ignored
+    # The stamps of the hop from the slice owners: the last publish, the completing arrival.
+    assert (params.published_at, params.received_at) == (7.0, 12.0)
+    assert params.add(part(1, 1, [8, 8, 8], 8.0), received_at=13.0) is True
+    assert params.version == 1 and (params.published_at, params.received_at) == (9.0, 13.0)
+    assert params.add(part(0, 0, [0, 0]), received_at=14.0) is False  # older: ignored
+    assert params.version == 1 and params.received_at == 13.0
     with pytest.raises(ValueError, match="has 3 values"):
-        params.add(part(0, 2, [1, 2, 3]))
+        params.add(part(0, 2, [1, 2, 3]), received_at=0.0)
     with pytest.raises(ValueError, match="outside"):
-        params.add(part(2, 2, [1]))
+        params.add(part(2, 2, [1]), received_at=0.0)
 
 
 class HistoryTail:

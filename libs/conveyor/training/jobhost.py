@@ -41,7 +41,8 @@ from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.errors import ConveyorError
 from conveyor.platform.messages import JobCancelled, JobFailed, Topics
 from conveyor.platform.service import Service
-from conveyor.training.jobview import JobLogReader, JobsView, JobView
+from conveyor.training.joblog import JobLogReader
+from conveyor.training.jobview import JobsView, JobView
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ class GradSlice(Message):
     """Unix seconds."""
 
 
-@message("Contribution", version=3)
+@message("Contribution", version=4)
 @dataclass(kw_only=True, slots=True)
 class Contribution(Message):
     """Sent by a trainer on ``Topics.control(job_id)`` after ALL of its GradSlices were
@@ -60,7 +60,10 @@ class Contribution(Message):
     Version 2 added ``epoch`` and ``sample_ids``: what the gradient was really computed on,
     which the coordinator counts into the job's sample ledger when a StepClose applies it.
     Version 3 added ``inner_steps`` (local mode, whose GradSlices carry the window's parameter
-    delta times ``num_samples`` instead of a summed gradient).
+    delta times ``num_samples`` instead of a summed gradient). Version 4 added the step's
+    stamps (``params_published_at`` .. ``computed_at``): with ``sent_at`` and the StepCloses'
+    ``closed_at`` they time each hop of a step (``loadtests/plane_hops.py``). They are Unix
+    seconds of different processes' clocks: across machines only as good as their sync.
     """
 
     job_id: str
@@ -95,6 +98,17 @@ class Contribution(Message):
     """Local mode: the forward/backward passes (micro-batches) of each inner optimizer step
     of the window, in order (their sum is the passes in ``sample_ids``); empty in sync and
     ssp mode (one step). Added in version 3."""
+    params_published_at: float | None = None
+    """The latest ``ParamSlice.published_at`` of ``base_version``'s slices (Unix seconds).
+    Added in version 4, as are the next three; all four are None in an empty contribution
+    (nothing was computed) and in one of an earlier version."""
+    params_received_at: float | None = None
+    """When this trainer held every slice of ``base_version`` (Unix seconds)."""
+    started_at: float | None = None
+    """When the step began: ``base_version`` loaded into the model, gathering starts."""
+    computed_at: float | None = None
+    """When the gradient (local mode: the delta) was computed and encoded, before its first
+    GradSlice went out; ``sent_at`` is stamped once every GradSlice is acknowledged."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 0 or self.epoch < 0:

@@ -10,7 +10,8 @@ Three tasks share the job's state::
                  ParamSlice of that partition, or version 0 published by us), drop lost ones
                advance each owner: apply the next StepClose once its slices are held,
                  publish the ParamSlice, acknowledge the GradSlices it consumed
-               this process owns partition 0 and caught up with the control log: Leader.act()
+               this process owns partition 0 and caught up with the control log:
+                 Leader.decide(), the owners apply a close it folded at once, Leader.report()
 
 GradSlice records are acknowledged (committed) only once the ParamSlice of the version that
 applied them is acknowledged by the broker, or when no future version can apply them; so the
@@ -178,7 +179,7 @@ class JobAggregator:
         ):
             try:
                 async with asyncio.TaskGroup() as tasks:
-                    tasks.create_task(self._read_control(control))
+                    tasks.create_task(self._read_control(control, grads))
                     tasks.create_task(self._read_grads(grads))
                     tasks.create_task(self._engine(control, grads))
                     tasks.create_task(self._watch(control, grads))
@@ -192,7 +193,7 @@ class JobAggregator:
 
     # -- readers -----------------------------------------------------------------------------
 
-    async def _read_control(self, control: TopicTail) -> None:
+    async def _read_control(self, control: TopicTail, grads: Consumer) -> None:
         while True:
             started = time.monotonic()
             records = await control.get_many(_CONTROL_POLL_S)
@@ -204,6 +205,10 @@ class JobAggregator:
             if control.caught_up:
                 self._log_read.set()
             if records:
+                # The GradSlices a folded Contribution announces are fetched from now on, not
+                # once the engine gets round to it: it may be publishing this very step's close
+                # first, and the step waits for both.
+                grads.rest(not self._grads_wanted(grads))
                 self._wake.set()
                 self._folded.set()
             else:
@@ -269,8 +274,13 @@ class JobAggregator:
                 await self._advance(owner, grads)
             if self._may_lead(control):
                 self._engine_doing = "coordinating"
-                if await self.leader.act(control):
-                    self._wake.set()  # a StepClose folded at once: the owners may apply it
+                if await self.leader.decide(control):
+                    # A StepClose folded at once: the owners apply it before the reports.
+                    for owner in list(self.owners.values()):
+                        await self._advance(owner, grads)
+                    self._wake.set()  # and look again: the close may have made more due
+                self._engine_doing = "reporting"
+                await self.leader.report()
             grads.rest(not self._grads_wanted(grads))
             self.metrics.held_slices.set(sum(s.buffered for s in self.owners.values()))
 

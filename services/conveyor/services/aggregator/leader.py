@@ -68,13 +68,14 @@ class Leader:
         self._progress_at = 0.0
         self._progress_key: tuple[Any, ...] | None = None
 
-    async def act(self, control_log: TopicTail) -> bool:
-        """One pass: decide and publish, then progress, epoch results and the job's end.
+    async def decide(self, control_log: TopicTail) -> bool:
+        """Decide and publish the rejections and the step close that are due.
 
         Returns whether it closed a step and folded that StepClose at once: when every record
         before it on the control log (``control_log``, the tail this process folds) was read
         already, folding it now is folding it in log order, and this process's slice owners may
-        apply it without the hop of reading it back. Otherwise it is folded when read.
+        apply it without the hop of reading it back. Otherwise it is folded when read. The
+        caller applies it before :meth:`report`, whose publishes are not the step's.
         """
         if self._completion is not None:
             if self._completion.done():
@@ -96,6 +97,14 @@ class Leader:
                 folded = True
             for entry in decisions.close.contributions:
                 self.metrics.staleness.observe(entry.staleness)
+        return folded
+
+    async def report(self) -> None:
+        """Publish the progress, the results of ended epochs and, once training is over, start
+        the job's completion (the export)."""
+        if self._completion is not None:
+            return
+        coordinator = self.coordinator
         await self._progress()
         for result in coordinator.epochs.results():
             await self._epoch_completed(result)
@@ -106,7 +115,6 @@ class Leader:
             self._completion = asyncio.create_task(
                 self._complete(), name=f"aggregator.complete.{self.ctx.job_id}"
             )
-        return folded
 
     async def stop(self) -> None:
         """Cancel a completion in progress (the next coordinator redoes it)."""

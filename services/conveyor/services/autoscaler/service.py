@@ -28,7 +28,8 @@ from conveyor.services.autoscaler.config import AutoscalerSettings
 from conveyor.services.autoscaler.drivers import DriverError, Restart, ScaleDriver
 from conveyor.services.autoscaler.measure import Measurement, Meter
 from conveyor.services.autoscaler.policy import ScalingPolicy, Signals, Verdict
-from conveyor.training.jobview import JobLogReader, JobsView
+from conveyor.training.joblog import JobLogReader
+from conveyor.training.jobview import JobsView
 
 logger = logging.getLogger(__name__)
 

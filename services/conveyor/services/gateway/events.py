@@ -1,7 +1,7 @@
 """Reading ``conveyor.jobs`` into the view, and fanning applied events out to progress streams.
 
 The gateway keeps no database: :class:`JobsTail` (a
-:class:`~conveyor.training.jobview.JobLogReader`)
+:class:`~conveyor.training.joblog.JobLogReader`)
 replays the jobs topic from the beginning into the :class:`JobsView` and keeps tailing;
 :meth:`JobsTail.wait_applied` gives read-your-writes to the API.
 """
@@ -15,7 +15,8 @@ from typing import Any
 
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import JobEvent
-from conveyor.training.jobview import JobLogReader, JobsView, JobView
+from conveyor.training.joblog import JobLogReader
+from conveyor.training.jobview import JobsView, JobView
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class EventHub:
 class JobsTail(JobLogReader):
     """The gateway's reader of the jobs topic: folds it into ``view``, fans out to ``hub``.
 
-    See :class:`~conveyor.training.jobview.JobLogReader` for the replay and readiness contract.
+    See :class:`~conveyor.training.joblog.JobLogReader` for the replay and readiness contract.
     """
 
     def __init__(self, settings: KafkaSettings, topic: str, view: JobsView, hub: EventHub) -> None:

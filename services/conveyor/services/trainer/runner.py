@@ -64,7 +64,7 @@ from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
 from conveyor.services.trainer.plane.param_traces import ParamTraces
-from conveyor.services.trainer.plane.sending import Computed
+from conveyor.services.trainer.plane.sending import Computed, StepStamps
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.reporting.reporter import Reporter
@@ -134,6 +134,8 @@ class JobRunner:
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._tracer = trace.get_tracer(TRACER_NAME)
         self._param_traces = ParamTraces()
+        self._loaded_stamps: tuple[float | None, float | None] = (None, None)
+        """(published_at, received_at) of ``loaded_version``'s parameters."""
 
     # -- the job ------------------------------------------------------------------------------
 
@@ -215,10 +217,11 @@ class JobRunner:
         self.plane.signal.fire()
 
     def _on_params(self, records: list[Tailed]) -> None:
+        received_at = time.time()
         for record in records:
             if isinstance(record.message, ParamSlice):
                 try:
-                    self.plane.params.add(record.message)
+                    self.plane.params.add(record.message, received_at=received_at)
                 except ValueError as exc:
                     raise JobFailure(f"parameters on {record.topic} do not fit: {exc}") from exc
                 self._param_traces.add(record, record.message.version)
@@ -264,7 +267,7 @@ class JobRunner:
             first = False
             self.figures.params_waited(param_wait_s)
             with listener.quiet():
-                await self._step(param_wait_s)
+                await self._step(param_wait_s, started_at=time.time())
         logger.info(
             "job %s: training over at version %d; evaluating until the job ends",
             self.session.job_id, self.plane.control.version,
@@ -302,6 +305,7 @@ class JobRunner:
             await self._compute(self.session.engine.encoder.undo, encoded)
         if version == self.loaded_version and not self._window_moved:
             return
+        self._loaded_stamps = (params.published_at, params.received_at)
         with self._param_traces.load_span(self._tracer, self.session.params_topic, version):
             load_s = await self._compute(self.session.engine.load, flat)
         self._window_moved = False
@@ -309,8 +313,9 @@ class JobRunner:
         self.loaded_version = version
         self.snapshots.keep(version, flat, control)
 
-    async def _step(self, param_wait_s: float) -> None:
-        """Gather, compute and send one contribution on the loaded version."""
+    async def _step(self, param_wait_s: float, *, started_at: float) -> None:
+        """Gather, compute and send one contribution on the loaded version (loaded by
+        ``started_at``, Unix seconds)."""
         engine, base, plane = self.session.engine, self.loaded_version, self.plane
         assert base is not None
         spec = self.session.spec
@@ -338,8 +343,15 @@ class JobRunner:
         samples = sum(c.result.samples for c in computed)
         make = engine.gradient if engine.inner is None else engine.delta
         encoded, encode_s = await self._compute(make, samples)
+        published_at, received_at = self._loaded_stamps
+        stamps = StepStamps(
+            params_published_at=published_at,
+            params_received_at=received_at,
+            started_at=started_at,
+            computed_at=time.time(),
+        )
         pending, grad_send_s = await plane.sender.send(
-            base, computed, encoded, inner_steps=inner_steps
+            base, computed, encoded, inner_steps=inner_steps, stamps=stamps
         )
         plane.outstanding.add(pending)
         self.figures.contribution_sent(

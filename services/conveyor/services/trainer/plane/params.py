@@ -35,13 +35,20 @@ class ParamAssembler:
             raise ValueError("a layout has at least one slice")
         self._sizes = [stop - start for start, stop in bounds]
         self._partial: dict[int, dict[int, torch.Tensor]] = {}
+        self._published: dict[int, list[float]] = {}
+        """version -> ``published_at`` of its slices held in ``_partial``."""
         self.version: int | None = None
         """Version of the newest complete vector (None before any)."""
         self.flat: torch.Tensor | None = None
         """fp32 [N] parameters of ``version``."""
+        self.published_at: float | None = None
+        """The latest ``published_at`` of ``version``'s slices (Unix seconds)."""
+        self.received_at: float | None = None
+        """When ``version`` became complete here (the ``received_at`` of its last slice)."""
 
-    def add(self, message: ParamSlice) -> bool:
-        """Fold one slice; True when it completed a version newer than the newest."""
+    def add(self, message: ParamSlice, *, received_at: float) -> bool:
+        """Fold one slice that arrived at ``received_at`` (Unix seconds); True when it
+        completed a version newer than the newest."""
         index, version = message.slice_index, message.version
         if not 0 <= index < len(self._sizes):
             raise ValueError(f"slice {index} outside the layout's {len(self._sizes)} slices")
@@ -53,13 +60,18 @@ class ParamAssembler:
         if self.version is not None and version <= self.version:
             return False
         slices = self._partial.setdefault(version, {})
-        slices.setdefault(index, message.values)  # the first of a (slice, version) wins
+        if index not in slices:  # the first of a (slice, version) wins
+            slices[index] = message.values
+            self._published.setdefault(version, []).append(message.published_at)
         if len(slices) < len(self._sizes):
             return False
         # [N] = the slices in order; a copy, so the records' buffers can go.
         self.flat = torch.cat([slices[p].to(torch.float32) for p in range(len(self._sizes))])
         self.version = version
+        self.published_at = max(self._published.pop(version))
+        self.received_at = received_at
         self._partial = {v: s for v, s in self._partial.items() if v > version}
+        self._published = {v: t for v, t in self._published.items() if v > version}
         return True
 
 

@@ -38,6 +38,18 @@ class Computed:
     result: MicroResult
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStamps:
+    """When a step's parameters and gradient were ready (Unix seconds), carried in its
+    Contribution to time the plane's hops (``Contribution`` v4). The parameters' stamps are
+    None when the loaded version did not come from the params topic."""
+
+    params_published_at: float | None
+    params_received_at: float | None
+    started_at: float
+    computed_at: float
+
+
 class ContributionSender:
     """Sends one trainer's messages for one job. ``next_sequence`` numbers its contributions
     (``<worker_id>:<sequence>``); set it past the log's highest before the first send."""
@@ -63,11 +75,12 @@ class ContributionSender:
         encoded: EncodedGrad,
         *,
         inner_steps: list[int] | None = None,
+        stamps: StepStamps,
     ) -> tuple[Pending[ReadyBatch], float]:
         """Send the slices of ``encoded`` (the gradient accumulated by ``computed``, all of one
         epoch; local mode: the window's weighted delta, ``inner_steps`` passes per inner
-        step), await their acks, publish the Contribution; returns it as :class:`Pending` and
-        the seconds it took. Raises ``BusError`` when the broker fails."""
+        step), await their acks, publish the Contribution with ``stamps``; returns it as
+        :class:`Pending` and the seconds it took. Raises ``BusError`` when the broker fails."""
         session, contribution_id = self._session, self._next_id()
         started = time.perf_counter()
         batches = list({c.batch.batch_id: c.batch for c in computed}.values())  # each once
@@ -119,6 +132,10 @@ class ContributionSender:
                     grad_bytes=encoded.nbytes,
                     sent_at=time.time(),
                     inner_steps=list(inner_steps or []),
+                    params_published_at=stamps.params_published_at,
+                    params_received_at=stamps.params_received_at,
+                    started_at=stamps.started_at,
+                    computed_at=stamps.computed_at,
                 ),
                 key=self.worker_id,
             )
