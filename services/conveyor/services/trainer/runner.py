@@ -319,12 +319,9 @@ class JobRunner:
         engine, base, plane = self.session.engine, self.loaded_version, self.plane
         assert base is not None
         spec = self.session.spec
-        if spec.distribution.deterministic:
-            # The job's one trainer takes every step whole, also right after it replaced a
-            # dead one that the latest allocation still counts (a partial step changes sums).
-            wanted = spec.micro_batches_per_step
-        else:
-            wanted = plane.control.micro_batches_for(spec.micro_batches_per_step, time.time())
+        wanted = plane.control.micro_batches_for(spec.micro_batches_per_step, time.time())
+        if spec.distribution.deterministic:  # the one trainer takes every step whole, also
+            wanted = spec.micro_batches_per_step  # when an allocation counts a dead predecessor
         if plane.outstanding.mode == "ssp":
             # Each ssp contribution is a step of its own, and nothing would end a turn of 0
             # (sync answers it with an empty contribution and waits for the close).
