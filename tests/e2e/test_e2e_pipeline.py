@@ -1,8 +1,9 @@
 """The data plane end to end on one embedded stack whose object store is S3 (`conveyor up
 --s3` against a moto server), one process per service: a normal run and a run over an npz
 dataset in S3 train every sample exactly once, bad input fails cleanly without hurting the
-stack, and a trainer SIGKILLed mid-job is restarted by the supervisor and its job still trains
-every sample exactly once; the autoscaler grows the pool of a starving job and shrinks it after.
+stack, and every service SIGKILLed one after another during one job is restarted (the
+autoscaler by the watchdog, the others by the autoscaler) while the job still trains every
+sample exactly once; the autoscaler grows the pool of a starving job and shrinks it after.
 (The flow-control stack of test_e2e_flow.py covers the file:// object store.) A real Prometheus
 with the project's scrape configuration scrapes the stack during the normal run and answers
 every panel of the Grafana dashboard.
@@ -13,6 +14,7 @@ order.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -448,51 +450,84 @@ def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
     assert status["changes"] - changes_before == 2  # up, down: no flapping
 
 
-def test_trainer_killed_mid_job_is_restarted_without_loss_or_repeat(stack: RunningStack) -> None:
-    # The job's training state lives in the aggregators' slice owners: the supervisor (the
-    # autoscaler's local driver) starts the trainer again, which joins at the newest parameter
-    # version and trains on; the batches the dead one held but whose step never closed are
-    # redelivered to it (uncommitted), the applied ones are not trained again.
-    job_id = stack.submit(digits_spec("trainer-restart"))
+KILL_ORDER = ("watchdog", "trainer", "aggregator", "checkpointer", "preprocessor", "sharder",
+              "gateway", "autoscaler")  # fmt: skip
+"""Every service of the stack, one after another during one job: the watchdog first (the
+autoscaler restarts it; the new one then restarts the autoscaler, killed last, whose restart
+takes no wait for a process to boot), the trainer mid-job (its replacement must rejoin)."""
+
+
+def test_every_service_killed_mid_job_is_back_and_the_job_trains_exactly_once(
+    stack: RunningStack,
+) -> None:
+    # The job's training state lives in the aggregators' slice owners and the logs: each
+    # service starts again where the logs leave it. The trainer rejoins at the newest parameter
+    # version, the batches the dead one held but whose step never closed are redelivered (they
+    # are uncommitted), the applied ones are not trained again; the aggregator rebuilds its
+    # slice; the sharder its flow control; the gateway its view.
+    epochs = 4
+    job_id = stack.submit(digits_spec("kill-every-kind", epochs=epochs))
 
     def some_steps_applied() -> dict[str, Any] | None:
         job = stack.job(job_id)
         return job if job["progress"]["step"] >= 5 else None
 
     at_kill = wait_for(some_steps_applied, timeout_s=90, interval_s=0.05, what="5 steps")
-    victim = stack.service("trainer")
-    log_path = Path(victim.process.log_path)
-    log_before = log_path.stat().st_size
-    stack.kill("trainer")
-    assert stack.job(job_id)["state"] == "running"
-    steps_total = at_kill["plan"]["steps_per_epoch"] * 2
-    assert at_kill["progress"]["step"] < steps_total
-
-    def restarted() -> ServiceInfo | None:
-        state = load_state(stack.state_dir)
-        assert state is not None
-        info = next(s for s in state.services if s.name == "trainer")
-        return info if info.process.pid != victim.process.pid and is_alive(info.process) else None
-
-    # Back within seconds: the first restart waits the 1 s backoff.
-    replacement = wait_for(restarted, timeout_s=10, what="the supervisor to restart the trainer")
-    assert replacement.port == victim.port and replacement.process.log_path == str(log_path)
-    job = stack.wait_job(job_id, timeout_s=120)
-    assert_completed_summary(stack, job, epochs=2)
-    assert job["summary"]["eval_accuracy"] > 0.8
-    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=2)
+    steps_total = at_kill["plan"]["steps_per_epoch"] * epochs
+    trainer_log = Path(stack.service("trainer").process.log_path)
+    trainer_log_before = trainer_log.stat().st_size
+    killed: dict[str, ServiceInfo] = {}
+    for name in KILL_ORDER:
+        if name == "autoscaler":  # the gateway and the watchdog that restarts it, up again
+            for back in ("gateway", "watchdog"):
+                wait_for(functools.partial(restarted, stack, killed[back], ready=True),
+                         timeout_s=120, what=f"{back} to be ready again")  # fmt: skip
+        state = stack.job(job_id)["state"]
+        assert state == "running", f"the job was {state} before {name} was killed: it proves less"
+        killed[name] = victim = stack.service(name)
+        stack.kill(name)
+        # Back within seconds: the first restart waits the 1 s backoff.
+        wait_for(functools.partial(restarted, stack, victim, ready=False), timeout_s=60,
+                 what=f"{name} to be restarted")  # fmt: skip
+    for name, victim in killed.items():  # started one after another, ready in any order
+        back = wait_for(functools.partial(restarted, stack, victim, ready=True), timeout_s=120,
+                        what=f"{name} to be ready again")  # fmt: skip
+        assert back.port == victim.port and back.process.log_path == victim.process.log_path
+    job = stack.wait_job(job_id, timeout_s=180)
+    assert_completed_summary(stack, job, epochs=epochs)
+    assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=epochs)
     # The gateway reports the coordinator's totals: no sample counted twice across trainers.
     assert job["progress"]["samples_trained"] == job["summary"]["samples"]
-    with open(log_path, "rb") as log:
-        log.seek(log_before)
+    with open(trainer_log, "rb") as log:
+        log.seek(trainer_log_before)
         joined = re.search(rf"job {job_id}: joined at version (\d+)", log.read().decode())
     assert joined is not None, "the restarted trainer did not join the job"
     assert at_kill["progress"]["step"] <= int(joined.group(1)) < steps_total
-    # The restart is on the autoscaler's topic, shown by the gateway.
+    # The autoscaler's restarts (all but its own: the watchdog logs that one) are on its topic,
+    # shown by the gateway: each with the pid that died.
     restarts = httpx.get(f"{stack.state.gateway_url}/v1/autoscaler", timeout=5).json()["restarts"]
-    assert [(r["instance"], r["old_pid"], r["new_pid"]) for r in restarts] == [
-        ("trainer", victim.process.pid, replacement.process.pid)
-    ]
+    published = {r["instance"]: r["old_pid"] for r in restarts}
+    assert published == {name: killed[name].process.pid for name in KILL_ORDER
+                         if name != "autoscaler"}  # fmt: skip
+    watchdog_log = Path(stack.service("watchdog").process.log_path).read_text()
+    assert f"restarted autoscaler (pid {killed['autoscaler'].process.pid} died" in watchdog_log
+
+
+def restarted(stack: RunningStack, victim: ServiceInfo, *, ready: bool) -> ServiceInfo | None:
+    """The instance recorded in ``victim``'s place once it runs under a new pid (and, with
+    ``ready``, answers ``/readyz`` with 200); None before."""
+    state = load_state(stack.state_dir)
+    assert state is not None
+    info = next(s for s in state.services if s.name == victim.name)
+    if info.process.pid == victim.process.pid or not is_alive(info.process):
+        return None
+    if not ready:
+        return info
+    try:
+        answer = httpx.get(f"{info.base_url}/readyz", timeout=2)
+    except httpx.HTTPError:
+        return None
+    return info if answer.status_code == 200 else None
 
 
 def test_the_readmes_curl_examples_run_against_the_stack(

@@ -1,12 +1,13 @@
 """Scheduling end to end: a pool of three trainers (`--scale trainer=3`, each slowed to a
-simulated accelerator so that jobs overlap) and jobs submitted at once: an elastic one (1 to 3
-trainers), one asking 2, one asking 1 with a higher priority, and one asking more trainers
-than the pool has, which waits at the tail of the queue (shown by `conveyor jobs`) until it is
-cancelled. The elastic job grows into spare trainers, shrinks to its minimum when the queued
-job needs them, and grows again when that one ends. Every job completes with an exact ledger:
-each train sample once per epoch, across every change of its trainers.
-
-The gateway's view is sampled every 0.1 s (``GET /v1/queue``) to check what ran together.
+simulated accelerator so that jobs overlap) and jobs: an elastic one (1 to 3 trainers), one
+asking 1 with a higher priority and one asking more trainers than the pool has, which waits at
+the tail of the queue (shown by `conveyor jobs`) until it is cancelled, submitted at once; then,
+once the elastic job has grown into the spare trainer, one asking 2 with the higher priority.
+That one waits (the elastic job's extra alone is not enough), starts when the first
+higher-priority job ends by taking the elastic job's extra (the elastic job shrinks to its
+minimum for a higher priority), and when it ends the elastic job grows to its most. Every job
+completes with an exact ledger: each train sample once per epoch, across every change of its
+trainers.
 """
 
 from __future__ import annotations
@@ -84,23 +85,28 @@ def test_jobs_share_the_pool_by_priority_then_fifo_and_train_exactly_once(
             "elastic": stack.submit(
                 job_spec("elastic", epochs=10, trainers=1, min_trainers=1, max_trainers=3)
             ),
-            "pair": stack.submit(job_spec("pair", epochs=2, trainers=2)),
             "urgent": stack.submit(job_spec("urgent", epochs=2, priority=1, trainers=1)),
         }
         # Ranked last, it holds back no one; asking 4 of 3 trainers, it never starts.
         too_big = stack.submit(job_spec("too-big", epochs=1, priority=-1, trainers=4))
-        # urgent (priority 1) and elastic (first in) get their one; pair (2) does not fit and
-        # waits, first in line; the spare trainer is the elastic job's until pair can start.
+        # urgent (priority 1) and elastic get their one; the spare trainer is elastic's.
+        wait_for(
+            lambda: sampler.latest() == ({"urgent": 1, "elastic": 2}, [("too-big", 1)]),
+            timeout_s=30,
+            what="urgent and elastic placed, elastic grown",
+        )
+        # pair (priority 1, 2 trainers) can take elastic's extra but needs one more: it waits,
+        # first in line.
+        ids["pair"] = stack.submit(job_spec("pair", epochs=2, priority=1, trainers=2))
         wait_for(
             lambda: (
                 sampler.latest() == ({"urgent": 1, "elastic": 2}, [("pair", 1), ("too-big", 2)])
             ),
             timeout_s=30,
-            what="urgent and elastic placed, pair queued",
+            what="pair queued behind urgent",
         )
         # From here the gateway has read all four submissions. Before, it may have folded
-        # them in another order (the jobs topic has several partitions): a view without
-        # the elastic job places urgent and pair together for a moment.
+        # them in another order (the jobs topic has several partitions).
         settled = len(sampler.samples) - 1
         # urgent ends: pair starts with two trainers, one taken back from the elastic job.
         wait_for(

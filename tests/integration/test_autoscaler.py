@@ -1,7 +1,8 @@
-"""The autoscaler service against the real broker, with an in-memory driver: it reads the
-trainers' data wait from their progress events and the group lags from the broker, scales up
-while the job starves with shard tasks waiting, down to the minimum after the job and the
-cooldown, and publishes every decision with its inputs (what the gateway folds)."""
+"""The autoscaler service against the real broker, with in-memory drivers: it reads the
+trainers' data wait from their progress events, the preprocessors' busy reports and the group
+lags from the broker, scales the preprocessors up while the job starves with shard tasks
+waiting and the trainers up to what the queued job asks, both down to their minimum after the
+job and the cooldown, and publishes every decision with its inputs (what the gateway folds)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from job_events import job_event
 from conveyor.platform.bus import Producer, TopicAdmin, TopicTail, create_topology
 from conveyor.platform.bus.group_lag import GroupLagReader
 from conveyor.platform.config import KafkaSettings, TelemetrySettings, TopologySettings
-from conveyor.platform.messages import ScalingDecision, Topics, TopicSpec
+from conveyor.platform.messages import PreprocessorLoad, ScalingDecision, Topics, TopicSpec
 from conveyor.services.autoscaler.config import AutoscalerSettings
 from conveyor.services.autoscaler.drivers import ScaleDriver
 from conveyor.services.autoscaler.service import AutoscalerService
@@ -89,23 +90,32 @@ async def test_scales_up_a_starving_job_and_down_after_it(kafka_settings: KafkaS
     await _fill(kafka_settings, topics.batches(JOB), 3)
     async with Producer(kafka_settings) as producer:
         trainer = {"worker_id": "trainer-1", "data_wait_ratio": 0.6}
-        for name, fields in [("submitted", {"spec": {}}), ("planned", {}), ("progress", trainer)]:
+        spec = {"distribution": {"trainers": 3}}
+        for name, fields in [("submitted", {"spec": spec}), ("planned", {}), ("progress", trainer)]:
             await producer.publish(topics.jobs, job_event(JOB, name, **fields), key=JOB)
-    driver = MemoryDriver(replicas=1)
+        # The preprocessor's busy report: the only record on the autoscaler topic, read from there.
+        load = PreprocessorLoad(worker_id="preprocessor-1", busy_ratio=0.95, slots=2)
+        await producer.publish(topics.autoscaler, load, key=load.worker_id)
+    driver, trainers = MemoryDriver(replicas=1), MemoryDriver(replicas=1)
     settings = AutoscalerSettings(
         driver="kubernetes", interval_s=0.1, up_interval_s=0, cooldown_s=0.5,
         min_replicas=1, max_replicas=8, report_every_s=60,
+        trainer_min_replicas=1, trainer_max_replicas=4, trainer_cooldown_s=0.5,
     )  # fmt: skip
     service = AutoscalerService(settings=settings, driver=driver, kafka=kafka_settings,
-                                telemetry=TelemetrySettings(otlp_endpoint=None))  # fmt: skip
+                                telemetry=TelemetrySettings(otlp_endpoint=None),
+                                trainer_driver=trainers)  # fmt: skip
     running = asyncio.create_task(service.run())
     try:
         # 60% wait: 1 / 0.4 -> 3, but the shards topic has 2 partitions: 2.
         await driver.called([2], timeout_s=30)
+        # The job asks 3 trainers and waits in the queue (no trainer in the pool): 1 -> 3.
+        await trainers.called([3], timeout_s=30)
         async with Producer(kafka_settings) as producer:
             await producer.publish(topics.jobs, job_event(JOB, "completed"), key=JOB)
         await _commit_all(kafka_settings, topics.preprocessor_group, topics.shards)
         await driver.called([2, 1], timeout_s=30)  # the floor, after the cooldown
+        await trainers.called([3, 1], timeout_s=30)
     finally:
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -113,13 +123,16 @@ async def test_scales_up_a_starving_job_and_down_after_it(kafka_settings: KafkaS
 
     log = AutoscalerLog()
     async with TopicTail(kafka_settings, topics.autoscaler) as tail:
-        while len(log.decisions) < 2:
+        while len(log.decisions) < 4:
             for record in await tail.get_many(1.0):
                 log.apply(record.message)
     # The job starved from the first look: no `start` report, the first decision is the step up.
-    up, down = [d for d in service.decisions if d.action != "hold"]
+    up, down = [d for d in service.decisions
+                if d.action not in ("hold", "start") and d.service == "preprocessor"]  # fmt: skip
     assert (up.action, up.replicas_before, up.replicas_after) == ("up", 1, 2)
     assert (up.partitions, up.shards_lag, up.driver) == (2, 6, "memory")
+    assert (up.busy_ratio, up.preprocessors_reporting) == (0.95, 1)
+    assert "preprocessors 95% busy" in up.reason
     (signals,) = up.jobs
     assert (signals.job_id, signals.trainers, signals.data_wait_ratio, signals.batches_lag) == (
         JOB, 1, 0.6, 3,
@@ -127,8 +140,18 @@ async def test_scales_up_a_starving_job_and_down_after_it(kafka_settings: KafkaS
     assert (down.action, down.replicas_after, down.jobs, down.shards_lag) == ("down", 1, [], 0)
     assert "work is gone" in down.reason
     # What the gateway shows: the latest state and the changes, newest first.
+    grow, shrink = [d for d in service.decisions
+                    if d.action not in ("hold", "start") and d.service == "trainer"]  # fmt: skip
+    assert (grow.action, grow.replicas_before, grow.replicas_after) == ("up", 1, 3)
+    assert "jobs ask 3 trainers, 1 queued" in grow.reason
+    assert (grow.min_replicas, grow.max_replicas) == (1, 4)
+    assert (shrink.action, shrink.replicas_after) == ("down", 1)
     snapshot = log.snapshot()
-    assert snapshot["changes"] == 2
-    assert [d["action"] for d in snapshot["decisions"]] == ["down", "up"]
+    assert snapshot["changes"] == 4
+    by_pool = [(d["service"], d["action"]) for d in snapshot["decisions"]]
+    assert [action for pool, action in by_pool if pool == "preprocessor"] == ["down", "up"]
+    assert [action for pool, action in by_pool if pool == "trainer"] == ["down", "up"]
     assert snapshot["state"]["replicas_after"] == 1
+    assert snapshot["state"]["service"] == "preprocessor"
+    assert snapshot["pools"]["trainer"]["replicas_after"] == 1
     assert all(isinstance(d, ScalingDecision) for d in log.decisions)

@@ -27,7 +27,14 @@ from conveyor.platform.config import (
     TelemetrySettings,
     TopologySettings,
 )
-from conveyor.platform.messages import Batch, JobEvent, Message, ShardTask, Topics
+from conveyor.platform.messages import (
+    Batch,
+    JobEvent,
+    Message,
+    PreprocessorLoad,
+    ShardTask,
+    Topics,
+)
 from conveyor.services.preprocessor.config import PreprocessorSettings
 from conveyor.services.preprocessor.service import PreprocessorService
 from conveyor.training.datasets import open_dataset, pack_npz
@@ -192,10 +199,17 @@ async def test_tasks_become_batches_with_traces_and_commits(
     tasks[1] = dataclasses.replace(tasks[1], routing=[0.0, 1.0])
     tasks[4] = dataclasses.replace(tasks[4], routing=[0.3, 0.7])
     x_all, y_all = open_dataset(DIGITS).read(list(range(1797)))
-    async with running(kafka_settings), TopicReader(kafka_settings, topics.batches("job1")) as out:
+    batches = TopicReader(kafka_settings, topics.batches("job1"))
+    async with running(kafka_settings, worker_id="pp-1", load_report_s=0.2), batches as out:
         await publish_tasks(kafka_settings, tasks)
         await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(tasks), 20)
         await committed_offsets(kafka_settings, topics.shards, topics.preprocessor_group)
+    # Its busy reports for the autoscaler: busy while it worked, the last one as it left.
+    async with TopicReader(kafka_settings, topics.autoscaler) as reports:
+        await reports.wait_for(lambda m: any(getattr(r, "leaving", False) for r in m), 10)
+    loads = [m for m in reports.messages if isinstance(m, PreprocessorLoad)]
+    assert {load.worker_id for load in loads} == {"pp-1"} and loads[-1].leaving
+    assert max(load.busy_ratio for load in loads) > 0 and {load.slots for load in loads} == {2}
     by_id = {m.batch_id: (m, headers) for m, headers, _ in out.records if isinstance(m, Batch)}
     assert set(by_id) == expected_ids(tasks)
     for task in tasks:

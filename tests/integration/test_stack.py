@@ -479,9 +479,30 @@ def test_supervisor_restarts_dead_services_and_scales_the_pool(tmp_path: Path) -
         assert all(_pid_gone(info.process.pid) for info in added)
         assert is_alive(preprocessor.process)
 
-        # While `conveyor up` or `down` holds the state lock, the supervisor changes nothing.
+        # The trainer pool, when the autoscaler sizes it, the same way: trainer-2 added, removed.
+        trainers = LocalDriver(
+            state_dir=config.state_dir, env=env, service="trainer", own_pid=gateway.process.pid,
+            backoff_s=0.3, backoff_max_s=1.0, reset_s=60.0, stop_timeout_s=2.0,
+            argv_for=kwargs["argv_for"],
+        )  # fmt: skip
+        asyncio.run(trainers.scale(2))
+        with_trainers = load_state(config.state_dir)
+        assert with_trainers is not None
+        assert [s.name for s in with_trainers.services][-1] == "trainer-2"
+        assert asyncio.run(trainers.replicas()) == 2
+        asyncio.run(trainers.scale(1))
+        assert asyncio.run(trainers.replicas()) == 1
+        assert _pid_gone(with_trainers.services[-1].process.pid)
+        # A driver limited to other services (the watchdog's) leaves a dead trainer alone.
+        watchdog = LocalDriver(
+            state_dir=config.state_dir, env=env, own_pid=-1, backoff_s=0.0, backoff_max_s=1.0,
+            reset_s=60.0, argv_for=kwargs["argv_for"], only=frozenset({"autoscaler"}),
+        )  # fmt: skip
         os.kill(restart.new_pid, signal.SIGKILL)
         assert _pid_gone(restart.new_pid)
+        assert asyncio.run(watchdog.supervise()) == asyncio.run(watchdog.supervise()) == []
+
+        # While `conveyor up` or `down` holds the state lock, the supervisor changes nothing.
         with state_lock(config.state_dir):
             time.sleep(0.7)  # past the doubled backoff
             assert asyncio.run(driver.supervise()) == []

@@ -1,14 +1,16 @@
 """The autoscaler's policy fold, without a broker: clamp, up fast, hold, down after the cooldown,
-the remembered starving size, and a bounded number of decisions over a whole job; and the
-settings' checks."""
+the remembered starving size, the preprocessors' busy ratio, and a bounded number of decisions
+over a whole job; the fold of the busy reports; and the settings' checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from conveyor.platform.messages import JobSignals
+from conveyor.platform.messages import JobSignals, PreprocessorLoad
 from conveyor.services.autoscaler.config import AutoscalerSettings
+from conveyor.services.autoscaler.measure import PoolLoad
 from conveyor.services.autoscaler.policy import PolicyConfig, ScalingPolicy, Signals
+from conveyor.services.autoscaler.trainers import TrainerPolicy, TrainerPoolConfig
 
 CONFIG = PolicyConfig(min_replicas=1, max_replicas=6, up_interval_s=10, cooldown_s=60)
 
@@ -18,9 +20,9 @@ def job(wait: float | None, *, lag: int = 0, trainers: int = 1) -> JobSignals:
 
 
 def signals(at: float, replicas: int, *, jobs: list[JobSignals], shards_lag: int = 0,
-            partitions: int = 8) -> Signals:  # fmt: skip
+            partitions: int = 8, busy: float | None = None) -> Signals:  # fmt: skip
     return Signals(at=at, replicas=replicas, partitions=partitions, shards_lag=shards_lag,
-                   jobs=jobs)  # fmt: skip
+                   jobs=jobs, busy_ratio=busy)  # fmt: skip
 
 
 def test_starving_trainers_with_waiting_work_scale_up_by_the_missing_share() -> None:
@@ -116,12 +118,81 @@ def test_a_job_from_starving_start_to_end_makes_a_bounded_number_of_decisions() 
     assert changes == [(0, "up", 4), (70, "down", 3), (74, "up", 4), (460, "down", 1)]
 
 
+def test_busy_preprocessors_scale_up_by_their_load_and_idle_ones_hold() -> None:
+    policy = ScalingPolicy(CONFIG)
+    # Trainers starve and tasks wait, but 2 preprocessors busy 40%: more would idle too.
+    held = policy.decide(signals(0, 2, jobs=[job(0.6)], shards_lag=8, busy=0.4))
+    assert (held.action, held.target) == ("hold", 2)
+    assert "busy only 40%" in held.reason
+    # Busy 90% delivering 40% of the demand: 2 * 0.9 / 0.4 = 4.5 -> 5 (not 2 / 0.4 = 5 rounded
+    # from an assumed 100%: 6 would be one more than the load asks).
+    verdict = policy.decide(signals(1, 2, jobs=[job(0.6)], shards_lag=8, busy=0.9))
+    assert (verdict.action, verdict.target) == ("up", 5)
+    assert "preprocessors 90% busy" in verdict.reason
+    policy = ScalingPolicy(CONFIG)
+    assert policy.decide(signals(0, 2, jobs=[job(0.6)], shards_lag=8, busy=0.8)).target == 4
+
+
+def test_idle_preprocessors_beside_calm_trainers_step_down_after_the_cooldown() -> None:
+    policy = ScalingPolicy(CONFIG)
+    calm = [job(0.0, lag=4, trainers=2)]  # no pile-up: only the busy ratio says surplus
+    assert policy.decide(signals(0, 4, jobs=calm, busy=0.5)).action == "hold"
+    assert policy.decide(signals(10, 4, jobs=calm, busy=0.2)).action == "hold"  # starts at 10
+    verdict = policy.decide(signals(70, 4, jobs=calm, busy=0.2))
+    assert (verdict.action, verdict.target) == ("down", 3)
+    assert "busy only 20%" in verdict.reason
+    # Busy again (the remaining 3 are needed): no surplus, no further step.
+    for at in range(71, 300, 10):
+        assert policy.decide(signals(at, 3, jobs=calm, busy=0.6)).action == "hold"
+
+
+def test_the_pool_load_counts_fresh_reports_of_preprocessors_that_stay() -> None:
+    def load(worker: str, busy: float, at: float, leaving: bool = False) -> PreprocessorLoad:
+        return PreprocessorLoad(worker_id=worker, busy_ratio=busy, slots=2, leaving=leaving, at=at)
+
+    pool = PoolLoad()
+    assert pool.busy(now=100, max_age_s=15) == (None, 0)
+    for report in [load("a", 0.9, 95), load("b", 0.5, 98), load("c", 1.0, 80),
+                   load("d", 0.7, 97), load("d", 0.0, 99, leaving=True),
+                   load("b", 0.1, 90)]:  # fmt: skip
+        pool.apply(report)
+    # c is stale, d left, b's older report read late does not replace its newer one.
+    assert pool.busy(now=100, max_age_s=15) == (pytest.approx(0.7), 2)
+    with pytest.raises(ValueError, match="busy_ratio"):
+        load("e", 1.5, 100)
+
+
+def test_the_trainer_pool_follows_what_the_jobs_ask_within_bounds() -> None:
+    policy = TrainerPolicy(TrainerPoolConfig(min_replicas=1, max_replicas=5, cooldown_s=30))
+    # A queued job asks for more than the pool: up at once, to the ask (then to the ceiling).
+    assert (policy.decide(at=0, replicas=1, asked=3, queued=1).target) == 3
+    verdict = policy.decide(at=1, replicas=3, asked=9, queued=2)
+    assert (verdict.action, verdict.target) == ("up", 5)
+    assert verdict.reason == "jobs ask 9 trainers, 2 queued"
+    assert policy.decide(at=2, replicas=5, asked=9, queued=1).action == "hold"
+    # Fewer asked: down only after the cooldown, to the ask, never under the floor.
+    assert policy.decide(at=10, replicas=5, asked=2, queued=0).action == "hold"
+    assert policy.decide(at=39, replicas=5, asked=2, queued=0).action == "hold"
+    verdict = policy.decide(at=40, replicas=5, asked=2, queued=0)
+    assert (verdict.action, verdict.target) == ("down", 2)
+    assert policy.decide(at=41, replicas=2, asked=0, queued=0).action == "hold"
+    assert policy.decide(at=71, replicas=2, asked=0, queued=0).target == 1
+    # A new ask in the cooldown resets it; a pool outside the bounds is clamped.
+    assert policy.decide(at=80, replicas=1, asked=0, queued=0).action == "hold"
+    verdict = policy.decide(at=81, replicas=9, asked=0, queued=0)
+    assert (verdict.action, verdict.target) == ("clamp", 5)
+
+
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         PolicyConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="calm_data_wait_ratio"):
         PolicyConfig(min_replicas=1, max_replicas=2, target_data_wait_ratio=0.01,
                      calm_data_wait_ratio=0.02)  # fmt: skip
+    with pytest.raises(ValueError, match="idle_busy_ratio"):
+        PolicyConfig(min_replicas=1, max_replicas=2, idle_busy_ratio=0.8)
+    with pytest.raises(ValueError, match="trainer min_replicas"):
+        TrainerPoolConfig(min_replicas=2, max_replicas=1)
 
 
 def test_settings_refuse_what_their_driver_would_ignore() -> None:
@@ -133,3 +204,9 @@ def test_settings_refuse_what_their_driver_would_ignore() -> None:
         AutoscalerSettings(driver="local")
     with pytest.raises(ValueError, match="min_replicas"):
         AutoscalerSettings(driver="kubernetes", min_replicas=4, max_replicas=2)
+    # The trainer pool's settings do nothing unless it is scaled: refused then.
+    assert AutoscalerSettings(driver="kubernetes").trainer_pool() is None
+    with pytest.raises(ValueError, match="trainer_min_replicas need trainer_max_replicas > 0"):
+        AutoscalerSettings(driver="kubernetes", trainer_min_replicas=2)
+    pool = AutoscalerSettings(driver="kubernetes", trainer_max_replicas=4).trainer_pool()
+    assert pool is not None and (pool.min_replicas, pool.max_replicas) == (1, 4)

@@ -86,6 +86,41 @@ def test_an_elastic_job_shrinks_to_its_minimum_for_a_higher_priority_job() -> No
     assert after.queue == ()
 
 
+def test_an_elastic_job_keeps_its_extras_against_the_same_or_a_lower_priority() -> None:
+    pool: dict[str, str | None] = {"t0": "e", "t1": "e", "t2": "e"}
+    elastic = demand("e", 1, fewest=1, most=3, at=1.0)
+    for priority in (0, -1):
+        waiting = demand("w", 1, at=2.0, priority=priority)
+        result = schedule([elastic, waiting], frozenset({"e"}), pool)
+        assert counts(result) == {"e": 3} and result.queue == ("w",)
+    # A trainer frees up (e's third left): the waiting job takes it, e keeps its two.
+    pool["t2"] = None
+    result = schedule([elastic, demand("w", 1, at=2.0)], frozenset({"e"}), pool)
+    assert counts(result) == {"e": 2, "w": 1} and result.queue == ()
+    # Not started yet, e holds nothing to keep: the next in line gets its minimum first.
+    result = schedule([elastic, demand("w", 2, at=2.0)], frozenset(), idle(3))
+    assert counts(result) == {"e": 1, "w": 2}
+
+
+def test_a_higher_priority_takes_extras_from_the_lowest_ranked_holder_first() -> None:
+    pool: dict[str, str | None] = {"t0": "a", "t1": "a", "t2": "b", "t3": "b", "t4": "c"}
+    jobs = [
+        demand("a", 1, fewest=1, most=2, at=1.0, priority=1),
+        demand("b", 1, fewest=1, most=2, at=2.0),
+        demand("c", 1, at=3.0),
+        demand("h", 2, at=4.0, priority=2),
+    ]
+    result = schedule(jobs, frozenset({"a", "b", "c"}), pool)
+    # h needs 2: b's extra (priority 0, ranked last of the holders) then a's (priority 1).
+    assert counts(result) == {"a": 1, "b": 1, "c": 1, "h": 2}
+    assert result.placement["t0"] == "a" and result.placement["t2"] == "b"
+    # Started and short of what it asks (a trainer died), h takes b's extra again.
+    jobs[3] = demand("h", 3, fewest=1, at=4.0, priority=2)
+    pool = {"t0": "a", "t1": "a", "t2": "b", "t3": "b", "t4": "h"}
+    result = schedule(jobs, frozenset({"a", "b", "h"}), pool)
+    assert counts(result) == {"a": 1, "b": 1, "h": 3} and result.queue == ("c",)
+
+
 def test_growth_goes_to_wanted_first_then_to_most_in_rank_order() -> None:
     jobs = [demand("a", 2, fewest=1, most=4, at=1.0), demand("b", 2, fewest=1, most=4, at=2.0)]
     assert counts(schedule(jobs, frozenset(), idle(4))) == {"a": 2, "b": 2}

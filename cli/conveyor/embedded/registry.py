@@ -31,6 +31,8 @@ class ServiceSpec:
     serves_api: bool = False
     """The service's HTTP port also serves the user-facing API (the gateway): ``conveyor up``
     prints its URL."""
+    embedded_only: bool = False
+    """Runs in the embedded stack only (docker compose and Kubernetes have no such service)."""
 
     def __post_init__(self) -> None:
         module, sep, function = self.entry.partition(":")
@@ -52,8 +54,15 @@ SERVICES: dict[str, ServiceSpec] = {
     # restarts nothing that is being stopped. Its entry lives with the embedded stack because
     # the local driver works on stack.json (conveyor.embedded.supervisor).
     "autoscaler": ServiceSpec(entry="conveyor.embedded.supervisor:main"),
+    # Restarts the autoscaler, which restarts everything else (it included); stopped first.
+    "watchdog": ServiceSpec(entry="conveyor.embedded.watchdog:main", embedded_only=True),
 }
 """Registered services by name, in the order ``conveyor up`` starts them."""
+
+
+def deployed_services() -> list[str]:
+    """The services that docker compose and Kubernetes run too (not embedded only)."""
+    return [name for name, spec in SERVICES.items() if not spec.embedded_only]
 
 
 class UnknownServiceError(ConveyorError):

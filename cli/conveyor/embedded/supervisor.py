@@ -10,9 +10,13 @@ stops it first and nothing is restarted while the stack goes down) and works on 
   (``restart_backoff_s`` .. ``restart_backoff_max_s``; an instance alive for
   ``restart_reset_s`` starts over). The broker is not restarted: its memory storage died
   with it, so the stack must be started again (``conveyor up`` replaces a partly-down stack).
-* **scale**: the preprocessor pool grows by new instances ``preprocessor-<n>`` (the next
-  free number; ``preprocessor`` alone counts as 1) and shrinks from the highest number down,
-  each removed instance stopped with SIGTERM (it drains: commits what it finished).
+  The autoscaler itself is restarted by the stack's ``watchdog`` (:mod:`.watchdog`), a
+  driver restricted to it, which the autoscaler restarts in turn.
+* **scale**: a pool (the preprocessors; the trainers too when ``trainer_max_replicas`` > 0)
+  grows by new instances ``<service>-<n>`` (the next free number; ``preprocessor`` alone
+  counts as 1) and shrinks from the highest number down, each removed instance stopped with
+  SIGTERM (it drains: a preprocessor commits what it finished, a trainer leaves its job and
+  its unapplied batches go to the job's other trainers).
 
 Every change of ``stack.json`` holds the state directory's lock, which ``conveyor up`` and
 ``conveyor down`` hold for their whole run; the supervisor never waits for it (it tries again
@@ -41,9 +45,7 @@ from conveyor.embedded.procs import ProcessInfo, is_alive, stop_processes
 from conveyor.embedded.stack import service_argv, spawn
 from conveyor.embedded.state import ServiceInfo, StackState, load_state, save_state, state_lock
 from conveyor.services.autoscaler.config import AutoscalerSettings
-from conveyor.services.autoscaler.drivers import DriverError, Restart, ScaleDriver
-from conveyor.services.autoscaler.main import remote_driver, run
-from conveyor.services.autoscaler.service import POOL
+from conveyor.services.autoscaler.drivers import POOL, TRAINERS, DriverError, Restart, ScaleDriver
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +80,12 @@ class LocalDriver(ScaleDriver):
         reset_s: float,
         stop_timeout_s: float = 30.0,
         argv_for: Callable[[str], list[str]] = service_argv,
+        only: frozenset[str] | None = None,
     ) -> None:
-        """``argv_for`` builds a service's command line (tests substitute stand-ins)."""
+        """``argv_for`` builds a service's command line (tests substitute stand-ins);
+        ``only``: the services (registry names) it restarts, None: every one."""
         self._argv_for = argv_for
+        self._only = only
         self._state_dir = state_dir
         self._env = dict(env)
         self._service = service
@@ -135,7 +140,9 @@ class LocalDriver(ScaleDriver):
             restarts: list[Restart] = []
             services = list(state.services)
             for index, info in enumerate(services):
-                if info.process.pid == self._own_pid:
+                if info.process.pid == self._own_pid or (
+                    self._only is not None and registry.service_of(info.name) not in self._only
+                ):
                     continue
                 watch = self._watch.setdefault(info.name, _Watch())
                 if is_alive(info.process):
@@ -201,13 +208,23 @@ def main(argv: list[str]) -> int:
     if argv:
         print(f"conveyor service autoscaler takes no arguments, got {argv}", file=sys.stderr)
         return 2
+    # Imported here, not at the top: the watchdog imports this module for LocalDriver alone, and
+    # the service brings torch (through the message registry), seconds of CPU at every start.
+    from conveyor.services.autoscaler.main import remote_driver, run
+
     settings = AutoscalerSettings()
+    scales_trainers = settings.trainer_pool() is not None
     if settings.driver != "local":
-        return run(settings, remote_driver(settings))
+        trainers = remote_driver(settings, TRAINERS) if scales_trainers else None
+        return run(settings, remote_driver(settings), trainers)
     assert settings.stack_dir is not None  # the settings check it
-    driver = LocalDriver(
-        state_dir=Path(settings.stack_dir), env=dict(os.environ), own_pid=os.getpid(),
-        backoff_s=settings.restart_backoff_s, backoff_max_s=settings.restart_backoff_max_s,
-        reset_s=settings.restart_reset_s,
-    )  # fmt: skip
-    return run(settings, driver)
+
+    def local(pool: str) -> LocalDriver:
+        return LocalDriver(
+            state_dir=Path(settings.stack_dir or ""), env=dict(os.environ), service=pool,
+            own_pid=os.getpid(), backoff_s=settings.restart_backoff_s,
+            backoff_max_s=settings.restart_backoff_max_s, reset_s=settings.restart_reset_s,
+        )  # fmt: skip
+
+    # Only the first driver's supervise() is called: one restarts the dead, for every pool.
+    return run(settings, local(POOL), local(TRAINERS) if scales_trainers else None)

@@ -12,15 +12,19 @@ The rules, in this order:
 1. Jobs are ranked by priority (higher first), then submission time, then id.
 2. A job that has started (a trainer joined it) keeps its minimum: no job is stopped for
    another, even one of a higher priority.
-3. Waiting jobs get their minimum in rank order while the pool has it. The first one that
-   does not fit waits, and so does every job ranked after it (FIFO within a priority, no
-   overtaking): these are the queue, in rank order.
-4. Trainers left over go to the admitted jobs in rank order: first up to what each wants
-   (``distribution.trainers``), then up to its most (``max_trainers``). An elastic job thus
-   grows when trainers free up, and shrinks back towards its minimum when a waiting job can
-   start with them (extras are counted after every admitted job's minimum: a job of a higher
-   priority, or the next in line of the same one).
-5. Placement is sticky: a trainer already on a job stays while the job's count keeps it
+3. A started job also keeps the trainers beyond its minimum that it holds (live trainers that
+   report it, up to its most), except those a job of a *higher* priority needs (rules 4-5):
+   an elastic job shrinks for a higher priority, and only for one; a job of the same or a
+   lower priority waits for its trainers like any other.
+4. Waiting jobs get their minimum in rank order while the pool has it: spare trainers first,
+   then the extras of started jobs of lower priority (the lowest-ranked holder first). The
+   first one that does not fit waits, and so does every job ranked after it (FIFO within a
+   priority, no overtaking): these are the queue, in rank order.
+5. Trainers left over go to the admitted jobs in rank order: first up to what each wants
+   (``distribution.trainers``; a job short of it may also take lower-priority extras), then up
+   to its most (``max_trainers``, spare trainers only). An elastic job thus grows when
+   trainers free up.
+6. Placement is sticky: a trainer already on a job stays while the job's count keeps it
    (lowest ids first); the others, lowest id first, fill the jobs in rank order.
 """
 
@@ -120,31 +124,76 @@ def schedule(
     reports hosting (None: idle).
     """
     ranked = sorted(demands, key=lambda demand: demand.rank)
-    spare = len(pool)
     counts: dict[str, int] = {}
+    extras: dict[str, int] = {}
+    """Trainers a started job holds beyond its minimum: a higher priority may take them."""
+    spare = len(pool)
     for demand in ranked:  # rule 2
         if demand.job_id in started and spare > 0:
             counts[demand.job_id] = min(demand.fewest, spare)
             spare -= counts[demand.job_id]
-    queue: list[str] = []
     for demand in ranked:  # rule 3
         if demand.job_id in counts:
+            holding = sum(1 for job in pool.values() if job == demand.job_id)
+            kept = min(holding, demand.most) - counts[demand.job_id]
+            extras[demand.job_id] = max(0, min(kept, spare))
+            counts[demand.job_id] += extras[demand.job_id]
+            spare -= extras[demand.job_id]
+    claims = _Claims(ranked, counts, extras, spare)
+    queue: list[str] = []
+    for demand in ranked:  # rule 4
+        if demand.job_id in counts:
             continue
-        if not queue and demand.fewest <= spare:
-            counts[demand.job_id] = demand.fewest
-            spare -= demand.fewest
+        if not queue and claims.available(demand) >= demand.fewest:
+            counts[demand.job_id] = 0
+            claims.take(demand, demand.fewest)
         else:
             queue.append(demand.job_id)
-    for bound in ("wanted", "most"):  # rule 4
-        for demand in ranked:
-            if demand.job_id in counts and spare > 0:
-                extra = min(getattr(demand, bound) - counts[demand.job_id], spare)
-                if extra > 0:
-                    counts[demand.job_id] += extra
-                    spare -= extra
+    for demand in ranked:  # rule 5
+        if demand.job_id in counts:
+            claims.take(demand, min(demand.wanted - counts[demand.job_id],
+                                    claims.available(demand)))  # fmt: skip
+    for demand in ranked:
+        if demand.job_id in counts:
+            claims.take(demand, min(demand.most - counts[demand.job_id], claims.spare),
+                        spare_only=True)  # fmt: skip
     return Schedule(
         placement=_place(ranked, counts, pool), queue=tuple(queue), pool=tuple(sorted(pool))
     )
+
+
+class _Claims:
+    """Moves trainers into ``counts``: from the spare ones first, then from the extras of
+    started jobs of a lower priority than the claimant, the lowest-ranked holder first."""
+
+    def __init__(
+        self, ranked: list[Demand], counts: dict[str, int], extras: dict[str, int], spare: int
+    ) -> None:
+        self._ranked, self._counts, self._extras, self.spare = ranked, counts, extras, spare
+
+    def _lower(self, demand: Demand) -> list[Demand]:
+        return [other for other in reversed(self._ranked)
+                if other.priority < demand.priority and self._extras.get(other.job_id)]  # fmt: skip
+
+    def available(self, demand: Demand) -> int:
+        """Trainers ``demand`` could get: spare ones and lower-priority extras."""
+        return self.spare + sum(self._extras[other.job_id] for other in self._lower(demand))
+
+    def take(self, demand: Demand, count: int, *, spare_only: bool = False) -> None:
+        """Give ``demand`` ``count`` more trainers (``count`` <= what it may claim)."""
+        if count <= 0:
+            return
+        from_spare = min(count, self.spare)
+        self.spare -= from_spare
+        self._counts[demand.job_id] += count
+        left = count - from_spare
+        assert not (spare_only and left), (demand, count)
+        for other in self._lower(demand):
+            taken = min(left, self._extras[other.job_id])
+            self._extras[other.job_id] -= taken
+            self._counts[other.job_id] -= taken
+            left -= taken
+        assert left == 0, (demand, count)
 
 
 def _place(

@@ -103,6 +103,7 @@ from conveyor.platform.messages.gradient_plane import (
 from conveyor.platform.messages.scaling import (
     SCALING_ACTIONS,
     JobSignals,
+    PreprocessorLoad,
     ScalingDecision,
     ServiceRestarted,
 )
@@ -141,6 +142,7 @@ __all__ = [
     "Message",
     "MessageSchema",
     "ParamSlice",
+    "PreprocessorLoad",
     "Record",
     "Rejection",
     "ResumePoint",

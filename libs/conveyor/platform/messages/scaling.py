@@ -1,5 +1,6 @@
 """The records of ``Topics.autoscaler``: what the autoscaler decided, from which measurements,
-and which dead services its supervisor (the local driver) started again.
+which dead services its supervisor (the local driver) started again, and how busy each
+preprocessor is (the preprocessors' own reports, one of the policy's inputs).
 
 The gateway folds the topic into ``GET /v1/autoscaler``; people read it to see why the pool has
 the size it has.
@@ -37,12 +38,10 @@ class JobSignals(Record):
     def __post_init__(self) -> None:
         if self.trainers < 0 or self.batches_lag < 0:
             raise ValueError("trainers and batches_lag must be >= 0")
-        ratio = self.data_wait_ratio
-        if ratio is not None and not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
-            raise ValueError(f"data_wait_ratio must be in [0, 1], got {ratio}")
+        _check_ratio("data_wait_ratio", self.data_wait_ratio)
 
 
-@message("ScalingDecision", version=1)
+@message("ScalingDecision", version=2)
 @dataclass(kw_only=True, slots=True)
 class ScalingDecision(Message):
     """One decision of the autoscaler about one pool, with every input it was made from."""
@@ -73,14 +72,56 @@ class ScalingDecision(Message):
     """Shard tasks the group committed per second since the previous measurement."""
     jobs: list[JobSignals]
     """The running jobs' measurements."""
+    busy_ratio: float | None
+    """Mean busy ratio of the preprocessors that reported recently (None: none did)."""
+    preprocessors_reporting: int
+    """Preprocessors whose busy report was recent enough to count."""
     decided_at: float = dataclasses.field(default_factory=time.time)
     """Unix time in seconds."""
 
     def __post_init__(self) -> None:
         if self.action not in SCALING_ACTIONS:
             raise ValueError(f"action must be one of {SCALING_ACTIONS}, got {self.action!r}")
-        if min(self.replicas_before, self.replicas_after, self.min_replicas, self.shards_lag) < 0:
+        counts = (self.replicas_before, self.replicas_after, self.min_replicas, self.shards_lag,
+                  self.preprocessors_reporting)  # fmt: skip
+        if min(counts) < 0:
             raise ValueError("replica counts and lags must be >= 0")
+        _check_ratio("busy_ratio", self.busy_ratio)
+
+
+@message("PreprocessorLoad", version=1)
+@dataclass(kw_only=True, slots=True)
+class PreprocessorLoad(Message):
+    """How busy one preprocessor was over its recent window; each preprocessor publishes one
+    every ``CONVEYOR_PREPROCESSOR_LOAD_REPORT_S`` and one with ``leaving`` when it stops.
+
+    Busy is the share of its worker slots' time spent reading and preprocessing shards
+    (``conveyor_preprocessor_busy_ratio``): near 1, more work would wait for a slot; near 0,
+    the process waits for work.
+    """
+
+    worker_id: str
+    """The preprocessor."""
+    busy_ratio: float
+    """Busy slot-seconds / (slots x window seconds), in [0, 1]."""
+    slots: int
+    """Shard tasks it works on at once (its ``concurrency``)."""
+    leaving: bool = False
+    """It stops: its report no longer counts."""
+    at: float = dataclasses.field(default_factory=time.time)
+    """When it was measured, unix time in seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("PreprocessorLoad.worker_id must not be empty")
+        if self.slots < 1:
+            raise ValueError(f"PreprocessorLoad.slots must be >= 1, got {self.slots}")
+        _check_ratio("busy_ratio", self.busy_ratio)
+
+
+def _check_ratio(name: str, ratio: float | None) -> None:
+    if ratio is not None and not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {ratio}")
 
 
 @message("ServiceRestarted", version=1)

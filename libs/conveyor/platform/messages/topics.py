@@ -77,7 +77,8 @@ class Topics:
     @property
     def autoscaler(self) -> str:
         """The autoscaler's decisions and its supervisor's restarts (:class:`ScalingDecision`,
-        :class:`ServiceRestarted`), read by the gateway."""
+        :class:`ServiceRestarted`), read by the gateway, and the preprocessors' busy reports
+        (:class:`PreprocessorLoad`), read by the autoscaler."""
         return f"{self.prefix}autoscaler"
 
     @property

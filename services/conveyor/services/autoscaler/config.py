@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from conveyor.platform.config import _FileAwareSettings, worker_id_field
 from conveyor.services.autoscaler.policy import PolicyConfig
+from conveyor.services.autoscaler.trainers import TrainerPoolConfig
 
 Driver = Literal["local", "docker", "kubernetes"]
 
@@ -45,7 +46,10 @@ class AutoscalerSettings(_FileAwareSettings):
     )
     signal_max_age_s: Annotated[float, Field(gt=0, le=600)] = Field(
         default=15.0,
-        description="A trainer's progress report older than this no longer counts.",
+        description=(
+            "A trainer's progress report or a preprocessor's busy report older than this no "
+            "longer counts."
+        ),
     )
     min_replicas: Annotated[int, Field(ge=0, le=1024)] = Field(
         default=1, description="Fewest preprocessors."
@@ -75,6 +79,27 @@ class AutoscalerSettings(_FileAwareSettings):
     )
     max_up_factor: Annotated[float, Field(gt=1, le=64)] = Field(
         default=4.0, description="Largest growth of one step up."
+    )
+    saturated_busy_ratio: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.7,
+        description="Scale up only while the preprocessors' mean busy ratio is at least this.",
+    )
+    idle_busy_ratio: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.3,
+        description="While jobs run, preprocessors busy less than this are more than enough.",
+    )
+    trainer_min_replicas: Annotated[int, Field(ge=0, le=1024)] = Field(
+        default=1, description="Fewest trainers, when the trainer pool is scaled."
+    )
+    trainer_max_replicas: Annotated[int, Field(ge=0, le=1024)] = Field(
+        default=0,
+        description=(
+            "Most trainers; 0: the trainer pool is not scaled (its size is the deployment's). "
+            "Above 0 the pool follows what the queued and running jobs ask for."
+        ),
+    )
+    trainer_cooldown_s: Annotated[float, Field(ge=0, le=86400)] = Field(
+        default=60.0, description="Seconds of more trainers than asked before the pool shrinks."
     )
     restart_backoff_s: Annotated[float, Field(gt=0, le=300)] = Field(
         default=1.0,
@@ -106,6 +131,9 @@ class AutoscalerSettings(_FileAwareSettings):
     kubernetes_deployment: str = Field(
         default="preprocessor", description="kubernetes: the Deployment to scale."
     )
+    kubernetes_trainer_deployment: str = Field(
+        default="trainer", description="kubernetes: the trainers' Deployment (trainer pool)."
+    )
     kubernetes_api_url: str | None = Field(
         default=None,
         description=(
@@ -117,6 +145,12 @@ class AutoscalerSettings(_FileAwareSettings):
     @model_validator(mode="after")
     def _check(self) -> AutoscalerSettings:
         self.policy()  # ValueError for thresholds or bounds that contradict each other
+        self.trainer_pool()
+        trainer_fields = {"trainer_min_replicas", "trainer_cooldown_s",
+                          "kubernetes_trainer_deployment"} & self.model_fields_set  # fmt: skip
+        if trainer_fields and self.trainer_max_replicas == 0:
+            raise ValueError(f"{', '.join(sorted(trainer_fields))} need trainer_max_replicas > 0 "
+                             "(the trainer pool is not scaled)")  # fmt: skip
         for driver, prefixes in _DRIVER_SETTINGS.items():
             foreign = sorted(name for name in self.model_fields_set
                              if name.startswith(prefixes) and driver != self.driver)  # fmt: skip
@@ -140,4 +174,14 @@ class AutoscalerSettings(_FileAwareSettings):
             cooldown_s=self.cooldown_s,
             surplus_batches_per_trainer=self.surplus_batches_per_trainer,
             max_up_factor=self.max_up_factor,
+            saturated_busy_ratio=self.saturated_busy_ratio,
+            idle_busy_ratio=self.idle_busy_ratio,
         )
+
+    def trainer_pool(self) -> TrainerPoolConfig | None:
+        """The trainer pool's bounds; None when it is not scaled."""
+        if self.trainer_max_replicas == 0:
+            return None
+        return TrainerPoolConfig(min_replicas=self.trainer_min_replicas,
+                                 max_replicas=self.trainer_max_replicas,
+                                 cooldown_s=self.trainer_cooldown_s)  # fmt: skip

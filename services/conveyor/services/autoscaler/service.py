@@ -1,11 +1,16 @@
 """The autoscaler service: measures, decides (:class:`~.policy.ScalingPolicy`), acts through
 its driver, and publishes every decision.
 
+A reader folds the preprocessors' busy reports (``PreprocessorLoad`` on ``Topics.autoscaler``,
+read from the topic's end: only recent reports count) into a :class:`~.measure.PoolLoad`.
 Every ``interval_s``: the driver restarts what died (the local driver; each restart is a
 ``ServiceRestarted`` record), the :class:`~.measure.Meter` looks at the work, the policy decides,
 the driver carries the decision out, and a ``ScalingDecision`` with every input goes to
 ``Topics.autoscaler`` (changes always; a ``hold`` at most every ``report_every_s``, so the
-gateway always has a recent state), to the log and to the metrics.
+gateway always has a recent state), to the log and to the metrics. With a trainer driver
+(``trainer_max_replicas`` > 0), the same measurement also sizes the trainer pool
+(:class:`~.trainers.TrainerPolicy`: what the queued and running jobs ask for), published as
+decisions of service ``trainer``.
 
 A driver or broker failure is logged and tried again at the next interval; the pool keeps its
 size meanwhile. One autoscaler per pool: two would act on the same measurements twice.
@@ -18,29 +23,36 @@ import logging
 import time
 from contextlib import AsyncExitStack
 
-from conveyor.platform.bus import BusError, Producer, wait_for_topics
+from conveyor.platform.bus import BusError, Producer, TopicTail, wait_for_topics
 from conveyor.platform.bus.group_lag import GroupLagReader
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
-from conveyor.platform.messages import Message, ScalingDecision, ServiceRestarted, Topics
+from conveyor.platform.messages import (
+    Message,
+    PreprocessorLoad,
+    ScalingDecision,
+    ServiceRestarted,
+    Topics,
+)
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge
 from conveyor.services.autoscaler.config import AutoscalerSettings
-from conveyor.services.autoscaler.drivers import DriverError, Restart, ScaleDriver
-from conveyor.services.autoscaler.measure import Measurement, Meter
+from conveyor.services.autoscaler.drivers import POOL, TRAINERS, DriverError, Restart, ScaleDriver
+from conveyor.services.autoscaler.measure import Measurement, Meter, PoolLoad
 from conveyor.services.autoscaler.policy import ScalingPolicy, Signals, Verdict
+from conveyor.services.autoscaler.trainers import TrainerPolicy
 from conveyor.training.joblog import JobLogReader
 from conveyor.training.jobview import JobsView
 
 logger = logging.getLogger(__name__)
 
-POOL = "preprocessor"
-"""The pool the autoscaler sizes."""
 
 _DECISIONS = counter("autoscaler", "decisions_total", "Decisions that changed the pool.",
                      ["service", "action"])  # fmt: skip
 _REPLICAS = gauge("autoscaler", "replicas", "Replicas of the pool after the last decision.",
                   ["service"])  # fmt: skip
 _WAIT = gauge("autoscaler", "data_wait_ratio", "Largest running job's trainers' data wait.")
+_BUSY = gauge("autoscaler", "preprocessor_busy_ratio",
+              "Mean busy ratio of the preprocessors that reported recently.")  # fmt: skip
 _SHARDS_LAG = gauge("autoscaler", "shards_lag", "Shard tasks waiting for the preprocessors.")
 _RESTARTS = counter("autoscaler", "restarts_total", "Dead services started again.", ["service"])
 _FAILURES = counter("autoscaler", "failures_total", "Intervals lost to a broker/driver error.")
@@ -58,17 +70,27 @@ class AutoscalerService(Service):
         driver: ScaleDriver,
         kafka: KafkaSettings,
         telemetry: TelemetrySettings,
+        trainer_driver: ScaleDriver | None = None,
     ) -> None:
+        """``trainer_driver``: sizes the trainer pool (required when the settings scale it,
+        refused when they do not)."""
         super().__init__(telemetry=telemetry)
+        if (trainer_driver is not None) != (settings.trainer_pool() is not None):
+            raise ValueError("a trainer driver goes with trainer_max_replicas > 0, and only then")
         self.settings = settings
         self.driver = driver
+        self.trainer_driver = trainer_driver
+        trainer_pool = settings.trainer_pool()
+        self.trainer_policy = TrainerPolicy(trainer_pool) if trainer_pool is not None else None
         self.kafka = kafka
         self.topics = Topics(kafka.topic_prefix)
         self.policy = ScalingPolicy(settings.policy())
         self.view = JobsView()
+        self.load = PoolLoad()
         self.decisions: list[ScalingDecision] = []
         """Every decision published by this process (tests and the log read them)."""
-        self._last_report_at: float | None = None
+        self._last_report_at: dict[str, float] = {}
+        """Pool -> when its last decision was published."""
         self._producer: Producer | None = None
 
     async def run(self) -> None:
@@ -76,6 +98,8 @@ class AutoscalerService(Service):
             await self._run()
         finally:
             await self.driver.close()
+            if self.trainer_driver is not None:
+                await self.trainer_driver.close()
 
     async def _run(self) -> None:
         topics = self.topics
@@ -97,8 +121,12 @@ class AutoscalerService(Service):
             self._producer = await stack.enter_async_context(Producer(self.kafka))
             lags = await stack.enter_async_context(GroupLagReader(self.kafka))
             group.create_task(reader.run(), name="autoscaler.jobs")
+            loads = await stack.enter_async_context(
+                TopicTail(self.kafka, topics.autoscaler, start="last")
+            )
+            group.create_task(self._follow_loads(loads), name="autoscaler.loads")
             await reader.wait_ready()
-            meter = Meter(lags=lags, view=self.view, topics=topics,
+            meter = Meter(lags=lags, view=self.view, load=self.load, topics=topics,
                           max_age_s=self.settings.signal_max_age_s)  # fmt: skip
             first = True
             while True:
@@ -106,6 +134,14 @@ class AutoscalerService(Service):
                 await self._step(meter, first=first)
                 first = False
                 await asyncio.sleep(self.settings.interval_s)
+
+    async def _follow_loads(self, tail: TopicTail) -> None:
+        """Fold the preprocessors' reports until cancelled (the topic's other records are the
+        autoscaler's own). A broker error ends the service: its supervisor restarts it."""
+        while True:
+            for record in await tail.get_many(1.0):
+                if isinstance(record.message, PreprocessorLoad):
+                    self.load.apply(record.message)
 
     async def _supervise(self) -> None:
         try:
@@ -122,7 +158,8 @@ class AutoscalerService(Service):
             replicas = await self.driver.replicas()
             measured = await meter.measure(time.time())
             signals = Signals(at=measured.at, replicas=replicas, partitions=measured.partitions,
-                              shards_lag=measured.shards_lag, jobs=measured.jobs)  # fmt: skip
+                              shards_lag=measured.shards_lag, jobs=measured.jobs,
+                              busy_ratio=measured.busy_ratio)  # fmt: skip
             verdict = self.policy.decide(signals)
             if verdict.target != replicas:
                 await self.driver.scale(verdict.target)
@@ -130,36 +167,76 @@ class AutoscalerService(Service):
             _FAILURES.inc()
             logger.warning("autoscaler: no decision this interval: %s", exc)
             return
+        settings = self.settings
+        await self._decided(POOL, self.driver, verdict, replicas, measured, first=first,
+                            bounds=(settings.min_replicas, settings.max_replicas))  # fmt: skip
+        if self.trainer_policy is not None and self.trainer_driver is not None:
+            await self._step_trainers(self.trainer_policy, self.trainer_driver, measured,
+                                      first=first)  # fmt: skip
+
+    async def _step_trainers(
+        self, policy: TrainerPolicy, driver: ScaleDriver, measured: Measurement, *, first: bool
+    ) -> None:
+        try:
+            replicas = await driver.replicas()
+            verdict = policy.decide(
+                at=measured.at,
+                replicas=replicas,
+                asked=measured.trainers_asked,
+                queued=measured.jobs_queued,
+            )
+            if verdict.target != replicas:
+                await driver.scale(verdict.target)
+        except DriverError as exc:
+            _FAILURES.inc()
+            logger.warning("autoscaler: no trainer decision this interval: %s", exc)
+            return
+        config = policy.config
+        await self._decided(TRAINERS, driver, verdict, replicas, measured, first=first,
+                            bounds=(config.min_replicas, config.max_replicas))  # fmt: skip
+
+    async def _decided(
+        self,
+        pool: str,
+        driver: ScaleDriver,
+        verdict: Verdict,
+        replicas: int,
+        measured: Measurement,
+        *,
+        first: bool,
+        bounds: tuple[int, int],
+    ) -> None:
         if first and verdict.action == "hold":
             verdict = Verdict(action="start", target=verdict.target, reason=verdict.reason)
-        await self._decided(verdict, replicas, measured)
-
-    async def _decided(self, verdict: Verdict, replicas: int, measured: Measurement) -> None:
-        waits = [j.data_wait_ratio for j in measured.jobs if j.data_wait_ratio is not None]
-        _WAIT.set(max(waits, default=0.0))
-        _SHARDS_LAG.set(measured.shards_lag)
-        _REPLICAS.labels(service=POOL).set(verdict.target)
+        if pool == POOL:
+            waits = [j.data_wait_ratio for j in measured.jobs if j.data_wait_ratio is not None]
+            _WAIT.set(max(waits, default=0.0))
+            _SHARDS_LAG.set(measured.shards_lag)
+            _BUSY.set(measured.busy_ratio or 0.0)
+        _REPLICAS.labels(service=pool).set(verdict.target)
         changed = verdict.target != replicas
-        due = (self._last_report_at is None
-               or measured.at - self._last_report_at >= self.settings.report_every_s)  # fmt: skip
+        last = self._last_report_at.get(pool)
+        due = last is None or measured.at - last >= self.settings.report_every_s
         if not (changed or due or verdict.action == "start"):
             return
-        self._last_report_at = measured.at
+        self._last_report_at[pool] = measured.at
         decision = ScalingDecision(
-            worker_id=self.settings.worker_id, service=POOL, driver=self.driver.name,
+            worker_id=self.settings.worker_id, service=pool, driver=driver.name,
             action=verdict.action, replicas_before=replicas, replicas_after=verdict.target,
-            min_replicas=self.settings.min_replicas, max_replicas=self.settings.max_replicas,
+            min_replicas=bounds[0], max_replicas=bounds[1],
             partitions=measured.partitions, reason=verdict.reason,
             shards_lag=measured.shards_lag, shards_per_second=measured.shards_per_second,
-            jobs=measured.jobs, decided_at=measured.at,
+            jobs=measured.jobs, busy_ratio=measured.busy_ratio,
+            preprocessors_reporting=measured.preprocessors_reporting, decided_at=measured.at,
         )  # fmt: skip
         self.decisions.append(decision)
         if changed:
-            _DECISIONS.labels(service=POOL, action=verdict.action).inc()
-            logger.info("%s %s: %d -> %d replicas: %s (shards lag %d, jobs %s)",
-                        verdict.action, POOL, replicas, verdict.target, verdict.reason,
-                        measured.shards_lag, [(j.job_id, j.data_wait_ratio, j.batches_lag)
-                                              for j in measured.jobs])  # fmt: skip
+            _DECISIONS.labels(service=pool, action=verdict.action).inc()
+            logger.info("%s %s: %d -> %d replicas: %s (shards lag %d, busy %s, jobs %s)",
+                        verdict.action, pool, replicas, verdict.target, verdict.reason,
+                        measured.shards_lag, measured.busy_ratio,
+                        [(j.job_id, j.data_wait_ratio, j.batches_lag)
+                         for j in measured.jobs])  # fmt: skip
         await self._publish(decision)
 
     async def _restarted(self, restart: Restart) -> None:

@@ -195,8 +195,12 @@ class AutoscalerStatus(BaseModel):
     """``GET /v1/autoscaler``: the records of the autoscaler topic, as plain values."""
 
     state: dict[str, Any] | None = Field(
-        description="The latest ScalingDecision (replicas, bounds, reason, inputs); null before "
-        "the autoscaler's first."
+        description="The preprocessor pool's latest ScalingDecision (replicas, bounds, reason, "
+        "inputs); null before the autoscaler's first."
+    )
+    pools: dict[str, dict[str, Any]] = Field(
+        description="Each pool's latest ScalingDecision: preprocessor, and trainer when the "
+        "autoscaler sizes the trainer pool."
     )
     changes: int = Field(description="Decisions that changed the pool since the topic began.")
     decisions: list[dict[str, Any]] = Field(description="Recent changes, newest first (<= 50).")

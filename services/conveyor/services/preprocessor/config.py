@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from conveyor.platform.config import _FileAwareSettings
+from conveyor.platform.config import _FileAwareSettings, worker_id_field
 
 
 class PreprocessorSettings(_FileAwareSettings):
@@ -17,6 +17,7 @@ class PreprocessorSettings(_FileAwareSettings):
         env_prefix="CONVEYOR_PREPROCESSOR_", frozen=True, extra="forbid"
     )
 
+    worker_id: str = worker_id_field("preprocessor")
     concurrency: Annotated[int, Field(ge=1, le=256)] = Field(
         default=2,
         description=(
@@ -41,4 +42,11 @@ class PreprocessorSettings(_FileAwareSettings):
     )
     busy_window_s: Annotated[float, Field(gt=0, le=3600)] = Field(
         default=10.0, description="Window of the busy-ratio gauge (seconds)."
+    )
+    load_report_s: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=5.0,
+        description=(
+            "Seconds between two busy reports (PreprocessorLoad on the autoscaler topic, an "
+            "input of the autoscaler's policy)."
+        ),
     )

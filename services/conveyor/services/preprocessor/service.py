@@ -21,6 +21,10 @@ A task that cannot be processed (dataset unreadable or corrupt, bad augmentation
 batch over the message size limit) fails its job: a :class:`JobFailed` with the reason is
 published once per job and process, and the task is acked, so a bad job never crash-loops the
 pool. Unexpected exceptions (bugs) crash the handler: the task is redelivered.
+
+Every ``load_report_s`` the process publishes its busy ratio (:class:`PreprocessorLoad`) on
+``Topics.autoscaler`` for the autoscaler, and a last one with ``leaving`` when it stops. A
+report that cannot be sent is logged and skipped: it is a measurement, not work.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ from conveyor.platform.bus import (
     wait_for_topics,
 )
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
-from conveyor.platform.messages import Batch, JobFailed, SamplesSkipped, ShardTask, Topics
+from conveyor.platform.messages import (
+    Batch,
+    JobFailed,
+    PreprocessorLoad,
+    SamplesSkipped,
+    ShardTask,
+    Topics,
+)
 from conveyor.platform.messages.job_events import MAX_SKIPPED_REASONS
 from conveyor.platform.service import Service
 from conveyor.platform.telemetry import counter, gauge, histogram
@@ -122,7 +133,8 @@ class PreprocessorService(Service):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await wait_for_topics(self.kafka, [self.topics.shards, self.topics.jobs])
+        topics = self.topics
+        await wait_for_topics(self.kafka, [topics.shards, topics.jobs, topics.autoscaler])
         async with (
             Producer(self.kafka) as producer,
             TopicAdmin(self.kafka) as admin,
@@ -136,10 +148,29 @@ class PreprocessorService(Service):
             ) as consumer,
         ):
             self._producer, self._admin, self._consumer = producer, admin, consumer
+            reporting = asyncio.create_task(self._report_load(), name="preprocessor.load")
             try:
                 await consumer.run(self._handle, concurrency=self.settings.concurrency)
             finally:
+                reporting.cancel()
+                await self._publish_load(leaving=True)
                 self._producer = self._admin = self._consumer = None
+
+    async def _report_load(self) -> None:
+        """Publish the busy ratio every ``load_report_s`` until cancelled."""
+        while True:
+            await self._publish_load(leaving=False)
+            await asyncio.sleep(self.settings.load_report_s)
+
+    async def _publish_load(self, *, leaving: bool) -> None:
+        if self._producer is None:
+            return
+        load = PreprocessorLoad(worker_id=self.settings.worker_id, busy_ratio=self.busy.ratio(),
+                                slots=self.settings.concurrency, leaving=leaving)  # fmt: skip
+        try:
+            await self._producer.publish(self.topics.autoscaler, load, key=load.worker_id)
+        except BusError as exc:
+            logger.warning("busy report not sent: %s", exc)
 
     async def drain(self) -> None:
         # Let the tasks in progress finish and be committed, then leave the group.

@@ -7,4 +7,9 @@ services layer may not import), and the entry point picks one by the ``driver`` 
 
 from conveyor.services.autoscaler.drivers.base import DriverError, Restart, ScaleDriver
 
-__all__ = ["DriverError", "Restart", "ScaleDriver"]
+POOL = "preprocessor"
+"""The pool the autoscaler sizes from the data-plane signals."""
+TRAINERS = "trainer"
+"""The pool it sizes from the queue of jobs, when configured to."""
+
+__all__ = ["POOL", "TRAINERS", "DriverError", "Restart", "ScaleDriver"]
