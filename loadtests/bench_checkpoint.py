@@ -487,6 +487,7 @@ def run_job(stack: ConveyorStack, spec: dict[str, Any]) -> dict[str, Any]:
         "checkpoint_bytes": median([float(d["size_bytes"]) for d in commits]),
         "commit_seconds": median([float(d["seconds"]) for d in commits]),
         "job_samples_per_second": summary.get("samples_per_second"),
+        "data_wait_ratio": summary.get("data_wait_ratio"),
         "steps": summary.get("steps"),
         "eval_accuracy": summary.get("eval_accuracy"),
     }

@@ -1,5 +1,7 @@
 """Checkpoints under fire: the checkpointer and the aggregators SIGKILLed at random points of a
-job that checkpoints every step, each replaced at once (what a supervisor does).
+job that checkpoints every step, each replaced at once (what a supervisor does); then resumes,
+through the API and after the whole stack was killed, and bit-exact resume (a deterministic job
+killed twice with the whole stack ends as the same job run straight through).
 
 No torn checkpoint may ever count as committed: every checkpoint with a manifest must load with
 all its files verified, the latest good one is the job's end, retention kept what it should,
@@ -15,29 +17,35 @@ import random
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_for
 from ledger_check import assert_exactly_once
+from safetensors.torch import load as load_tensors
 
 from conveyor.cli.client import TERMINAL_STATES, GatewayError
 from conveyor.embedded.procs import ProcessInfo, is_alive
-from conveyor.embedded.state import ServiceInfo
+from conveyor.embedded.state import ServiceInfo, load_state
 from conveyor.training.checkpoint import CheckpointStore
+from conveyor.training.exported import MODEL_FILES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 KILLS = 10
 KEEP_LAST = 2
+STACK_ARGS = ["--scale", "aggregator=2", "--scale", "trainer=2", "--health-timeout-s", "180"]
+"""Two trainers: the bit-exact test runs its SGD and Adam jobs side by side."""
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     with running_stack(
         tmp_path_factory.mktemp("checkpoints") / "state",
-        args=["--scale", "aggregator=2", "--health-timeout-s", "180"],
+        args=STACK_ARGS,
     ) as running:
         yield running
 
@@ -113,21 +121,114 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     assert (rows[0]["version"], rows[0]["state"], rows[0]["latest"]) == (final, "committed", True)
 
 
+def restart(stack: RunningStack) -> RunningStack:
+    """`conveyor up` again in the stack's state directory (after :func:`kill_everything`)."""
+    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json", *STACK_ARGS, env=stack.env)
+    assert up.returncode == 0, up.stderr
+    return RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+
+
 def kill_everything(stack: RunningStack) -> None:
     """SIGKILL every process of the stack, the broker (it held every topic in memory) and the
-    processes the tests added included."""
-    processes = [s.process for s in stack.state.services] + [
+    processes the tests added included; the supervisor (recorded last) first, so that it
+    restarts nothing meanwhile, and as recorded now (it may have replaced a process)."""
+    state = load_state(stack.state_dir)
+    assert state is not None and state.broker is not None
+    processes = [s.process for s in reversed(state.services)] + [
         ProcessInfo.of(process.pid, stack.state_dir / "logs" / f"{name}.log")
         for name, process in stack.extra
         if process.poll() is None
     ]
-    assert stack.state.broker is not None
-    processes.append(stack.state.broker)
+    processes.append(state.broker)
     for process in processes:
         if is_alive(process):
             os.kill(process.pid, signal.SIGKILL)
     for process in processes:
         wait_for(lambda p=process: not is_alive(p), timeout_s=10, what=f"pid {process.pid} gone")
+    stack.gateway.close()
+
+
+OPTIMIZERS = {
+    "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    "adam": {"name": "adam", "lr": 0.004},
+}
+
+
+EXACT_STEPS = 45
+"""Steps of :func:`exact_spec`'s job: enough that it still runs at both kills on a fast
+machine (it trains on while the first kill waits for the other job's checkpoint)."""
+
+
+def exact_spec(optimizer: str) -> dict[str, Any]:
+    """One epoch of digits in 45 steps of two micro-batches of 16, deterministic, a checkpoint
+    every 4 steps."""
+    spec = digits_spec(
+        f"exact-{optimizer}",
+        epochs=1,
+        distribution={"trainers": 1, "aggregator_shards": 2, "deterministic": True},
+        checkpoint={"every_steps": 4, "keep_last": 2},
+    )
+    spec["training"].update(
+        optimizer=OPTIMIZERS[optimizer], global_batch_size=32, micro_batch_size=16
+    )
+    return spec
+
+
+def newest_checkpoint(stack: RunningStack, job_id: str) -> int:
+    return max(CheckpointStore(stack.store(), job_id).committed_versions(), default=0)
+
+
+def wait_past_checkpoints(stack: RunningStack, after: dict[str, int], rng: random.Random) -> None:
+    """Until each job has committed a checkpoint 4 or 8 steps (at random) past ``after`` (its
+    newest one at the last kill)."""
+    for job_id, last in after.items():
+        at = last + rng.choice([4, 8])
+        wait_for(lambda j=job_id, v=at: newest_checkpoint(stack, j) >= v,
+                 timeout_s=120, what=f"job {job_id}'s checkpoint v{at}")  # fmt: skip
+
+
+def kill_mid_run(
+    stack: RunningStack, job_ids: Iterable[str], rng: random.Random, *, room: int
+) -> dict[str, int]:
+    """Wait up to 0.5 s and kill the whole stack while every job still trains with ``room``
+    steps to spare past its newest checkpoint; returns those newest checkpoints."""
+    time.sleep(rng.uniform(0.0, 0.5))
+    newest = {job_id: newest_checkpoint(stack, job_id) for job_id in job_ids}
+    assert max(newest.values()) < EXACT_STEPS - room, f"trained too far before a kill: {newest}"
+    kill_everything(stack)
+    print(f"killed the whole stack past checkpoints {sorted(newest.values())}")
+    return newest
+
+
+Exported = tuple[dict[str, torch.Tensor], list[float]]
+
+
+def exported(stack: RunningStack, job_id: str) -> Exported:
+    """The job's exported weights and per-step losses, as `conveyor model pull` gets them
+    (through the gateway, which knows the job until the stack is killed)."""
+    files = {name: stack.gateway.model_file(job_id, name) for name in MODEL_FILES}
+    losses: list[float] = json.loads(files["losses.json"])["step_losses"]
+    return load_tensors(files["model.safetensors"]), losses
+
+
+def assert_bit_exact(
+    stack: RunningStack, straight: dict[str, Exported], killed: dict[str, str]
+) -> None:
+    """Each optimizer's killed job ended as its straight run: exported parameters equal bit
+    for bit, every step's loss equal, the ledger exactly once."""
+    for name, job_id in killed.items():
+        job = stack.wait_job(job_id, timeout_s=180)
+        assert job["state"] == "completed" and job["resumed_from"] is not None, job
+        assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=1)
+        weights, losses = straight[name]
+        weights_killed, losses_killed = exported(stack, job_id)
+        assert len(losses) == job["plan"]["steps_per_epoch"] == job["summary"]["steps"]
+        assert losses_killed == losses, f"{name}: step losses differ"
+        assert weights.keys() == weights_killed.keys()
+        differing = [k for k in weights if not torch.equal(weights[k], weights_killed[k])]
+        assert differing == [], f"{name}: parameters differ in {differing}"
+    sgd, adam = (straight[name][1] for name in OPTIMIZERS)
+    assert sgd != adam and sgd[-1] < sgd[0] and adam[-1] < adam[0]  # two real trainings
 
 
 def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exactly_once(
@@ -161,10 +262,7 @@ def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exact
              what="a checkpoint of the resumed run")  # fmt: skip
 
     kill_everything(stack)
-    up = conveyor("up", "--state-dir", str(stack.state_dir), "--json", "--scale", "aggregator=2",
-                  "--health-timeout-s", "180", env=stack.env)  # fmt: skip
-    assert up.returncode == 0, up.stderr
-    again = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+    again = restart(stack)
     try:
         wait_for(lambda: job_id in {j["id"] for j in again.gateway.jobs(limit=10)},
                  timeout_s=60, what="the job to come back by itself")  # fmt: skip
@@ -193,3 +291,30 @@ def test_a_job_cancelled_resumed_and_killed_with_the_whole_stack_completes_exact
                  what="the registry to forget the ended jobs")  # fmt: skip
     finally:
         again.gateway.close()
+
+
+def test_deterministic_jobs_killed_twice_with_the_whole_stack_end_bit_exact(
+    stack: RunningStack,
+) -> None:
+    """SGD with momentum and Adam, each a deterministic job run straight through, then the
+    same specs run while the whole stack (broker included) is SIGKILLed twice at random points
+    past random checkpoints and comes back by itself: the exported parameters are equal bit for
+    bit, and so is every step's loss, as the trainers computed it."""
+    seed = int(os.environ.get("CONVEYOR_CHAOS_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    print(f"exact seed {seed} (set CONVEYOR_CHAOS_SEED to replay)")
+    current = RunningStack(state_dir=stack.state_dir, env=stack.env, storage=stack.storage)
+    try:
+        straight = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
+        for straight_id in straight.values():
+            assert current.wait_job(straight_id, timeout_s=120)["state"] == "completed"
+        straight_runs = {name: exported(current, job_id) for name, job_id in straight.items()}
+        killed = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
+        newest = dict.fromkeys(killed.values(), 0)
+        for room in (8, 0):  # the first kill leaves room for a checkpoint 8 steps on
+            wait_past_checkpoints(current, newest, rng)
+            newest = kill_mid_run(current, killed.values(), rng, room=room)
+            current = restart(current)
+        assert_bit_exact(current, straight_runs, killed)
+    finally:
+        current.gateway.close()

@@ -66,6 +66,8 @@ class Peer:
         self.events: list[JobEvent] = []
         self.sent: dict[str, torch.Tensor] = {}
         """contribution id -> the flat gradient as the aggregator decodes it."""
+        self.loss_sums: dict[str, float] = {}
+        """contribution id -> the loss sum it reported."""
         self.eval_sums: dict[int, list[float]] = {}
         """epoch -> [loss sum, correct, samples] of this peer's evaluation."""
         self.epoch_end: dict[int, int] = {}
@@ -217,6 +219,7 @@ class Peer:
                 ))  # fmt: skip
             await asyncio.gather(*acks)
             self.sent[contribution_id] = torch.cat(decoded)
+        self.loss_sums[contribution_id] = loss_sum
         await self._producer.publish(self.topics.control(self.job_id), Contribution(
             job_id=self.job_id, contribution_id=contribution_id, worker_id=worker,
             base_version=base, num_samples=num_samples, batch_ids=batch_ids,

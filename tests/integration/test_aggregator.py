@@ -179,6 +179,12 @@ def check_outputs(peer: Peer, objects: Path, epochs: int) -> dict[str, Any]:
     final = peer.flat_params(len(peer.closes))
     assert torch.equal(peer.ctx.layout.flatten_params(model), final)
     assert summary["checkpoint"].endswith(f"jobs/{peer.job_id}/model.safetensors")
+    # Every step's loss, as the contributions reported it, exported beside the model.
+    closes = [peer.closes[v] for v in sorted(peer.closes) if peer.closes[v].num_samples > 0]
+    expected = [sum(peer.loss_sums[e.contribution_id] for e in c.contributions) / c.num_samples
+                for c in closes]  # fmt: skip
+    losses = json.loads(store.get_bytes(f"jobs/{peer.job_id}/losses.json"))["step_losses"]
+    assert losses == expected and len(losses) == steps
     ledger = json.loads(store.get_bytes(f"jobs/{peer.job_id}/ledger.json"))
     spec = peer.ctx.spec
     train_ids = train_split(peer.ctx.dataset_samples, spec.dataset.eval_fraction,

@@ -1,5 +1,5 @@
 """The pure helpers of loadtests/bench_checkpoint.py: throughput windows, stalls, losses, the
-JSON line."""
+JSON line; and the job pair of loadtests/bench_deterministic.py, which reuses its runner."""
 
 from __future__ import annotations
 
@@ -85,3 +85,18 @@ def test_the_job_specs_differ_only_in_every_steps() -> None:
         assert without["checkpoint"]["every_steps"] is None
         without["checkpoint"]["every_steps"] = 50
         assert without == with_checkpoints
+
+
+def test_the_deterministic_benchmark_pairs_specs_that_differ_in_the_option_alone() -> None:
+    from conveyor.training.jobspec import JobSpec
+    from loadtests import bench_deterministic
+
+    det, default = (
+        JobSpec.from_dict(bench_deterministic.job_spec(epochs=2, deterministic=flag))
+        for flag in (True, False)
+    )
+    assert det.distribution.deterministic and not default.distribution.deterministic
+    assert det.distribution.model_copy(update={"deterministic": False}) == default.distribution
+    same = {"name", "distribution"}
+    assert det.model_dump(exclude=same) == default.model_dump(exclude=same)
+    assert det.training.epochs == 2 and det.distribution.trainers == 1

@@ -348,3 +348,30 @@ def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -
     data["flow"] = {"max_lead_batches": 64}  # a window is 40 steps x 2 micro-batches = 80
     [(error_loc, msg)] = errors_of(data)
     assert error_loc == ("flow",) and "must hold one local-mode window" in msg
+
+
+@pytest.mark.parametrize(
+    ("distribution", "fragment"),
+    [
+        ({"trainers": 2}, "exactly one trainer"),
+        ({"max_trainers": 2}, "exactly one trainer"),
+        ({"mode": "ssp"}, "needs mode sync"),
+        ({"compression": {"kind": "topk", "ratio": 0.01}}, "cannot use topk"),
+    ],
+)
+def test_deterministic_is_refused_where_it_cannot_hold(
+    distribution: dict[str, Any], fragment: str
+) -> None:
+    data = spec_with("distribution", {**distribution, "deterministic": True})
+    [(error_loc, msg)] = errors_of(data)
+    assert error_loc == ("distribution", "deterministic") and fragment in msg
+
+
+def test_deterministic_needs_a_lead_of_one_step_and_is_off_by_default() -> None:
+    assert JobSpec.model_validate(BASE).distribution.deterministic is False
+    data = spec_with("distribution", {"deterministic": True, "compression": {"kind": "bf16"}})
+    assert JobSpec.model_validate(data).distribution.deterministic
+    data["training"]["global_batch_size"] = 128  # 4 micro-batches a step
+    data["flow"] = {"max_lead_batches": 3}
+    [(error_loc, msg)] = errors_of(data)
+    assert error_loc == ("flow",) and "must hold one deterministic step: 4" in msg

@@ -62,7 +62,9 @@ def step(c: Coordinator, version: int) -> list[Message]:
     """The log of step ``version + 1`` (one trainer, four fresh batches; epoch 0's eval right
     after the close that ends it), folded into ``c``."""
     epoch, first = divmod(4 * version, TRAIN)
-    contribution = contrib("a", version, [batch(epoch, first + i) for i in range(4)])
+    # A loss of its own per step (1/3 has no short binary form: a lossy copy would show).
+    loss = 2.0 + version / 3
+    contribution = contrib("a", version, [batch(epoch, first + i) for i in range(4)], loss=loss)
     c.fold(contribution)
     decisions = c.decide(T0)
     assert decisions.close is not None
@@ -123,6 +125,8 @@ def test_a_coordinator_resumed_from_a_checkpoint_ends_like_the_straight_run(resu
         straight.version, straight.steps, straight.samples_trained,
     )  # fmt: skip
     assert resumed.ledger == straight.ledger and resumed.ledger.total(1) == TRAIN
+    # Every step's loss, the ones before the checkpoint from its file, bit for bit.
+    assert resumed.step_losses == straight.step_losses == [2.0 + v / 3 for v in range(6)]
     assert resumed.epochs.results() == straight.epochs.results()
     assert resumed.consumed_batches == straight.consumed_batches == 2 * (TRAIN + EVAL)
 

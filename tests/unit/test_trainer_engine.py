@@ -175,3 +175,34 @@ def test_token_batches_score_the_mean_next_token_loss_per_sequence() -> None:
     assert result.samples == 3 and result.correct == 0  # no accuracy for next tokens
     evaluated = engine.evaluate(engine.snapshot(layout.flatten_params(gpt)), x, y)
     assert evaluated.loss_sum == pytest.approx(result.loss_sum, rel=1e-5)
+
+
+def test_a_deterministic_job_turns_deterministic_algorithms_on_and_the_next_job_off() -> None:
+    try:
+        apply_resources(ResourcesSpec(), CPU, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        apply_resources(ResourcesSpec(), CPU)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_seeded_micro_batch_draws_the_same_dropout_whatever_ran_before() -> None:
+    """Deterministic mode seeds torch per micro-batch: a model's dropout then depends on the
+    seed alone, not on what the process drew before (a resumed trainer drew other things)."""
+
+    def gradient(seed: int, draws_before: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.Dropout(0.5),
+            torch.nn.Linear(32, 10),
+        )  # fmt: skip
+        layout = ParamLayout.from_model(model)
+        engine = Engine(model, CPU, bf16=False, normalizer=Normalizer(None, 1, CPU),
+                        layout=layout, encoder=SliceEncoder(CompressionSpec(),
+                                                            layout.slice_bounds(1)))  # fmt: skip
+        torch.rand(draws_before)
+        engine.accumulate(*batch(8, seed=9), seed)
+        return dense(engine)
+
+    assert torch.equal(gradient(seed=5, draws_before=0), gradient(seed=5, draws_before=7))
+    assert not torch.equal(gradient(seed=5, draws_before=0), gradient(seed=6, draws_before=0))

@@ -69,8 +69,9 @@ def register(app: typer.Typer) -> None:
         gateway: GatewayOption = None,
         token: TokenOption = None,
     ) -> None:
-        """Download the exported model (model.safetensors + config.json) into DIRECTORY; load
-        it with ``conveyor.training.exported.load_model(DIRECTORY)``."""
+        """Download the exported model (model.safetensors + config.json, and losses.json: the
+        training loss of every step) into DIRECTORY; load it with
+        ``conveyor.training.exported.load_model(DIRECTORY)``."""
         from conveyor.training.exported import MODEL_FILES
 
         try:

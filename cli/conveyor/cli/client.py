@@ -104,7 +104,8 @@ class GatewayClient:
         return self._json(self._request("POST", f"/v1/jobs/{job_id}/resume"))
 
     def model_file(self, job_id: str, name: str) -> bytes:
-        """One file of the job's exported model (``model.safetensors``, ``config.json``)."""
+        """One file of the job's exported model (``model.safetensors``, ``config.json``,
+        ``losses.json``)."""
         response = self._request("GET", f"/v1/jobs/{job_id}/model/{name}")
         if response.status_code >= 400:
             self._json(response)  # raises with the gateway's reason

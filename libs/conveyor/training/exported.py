@@ -1,5 +1,6 @@
 """Loading the model a job exported, outside Conveyor: ``conveyor model pull JOB DIR`` writes
-``model.safetensors`` (the state_dict) and ``config.json`` (how to rebuild and feed it), and::
+``model.safetensors`` (the state_dict), ``config.json`` (how to rebuild and feed it) and
+``losses.json`` (the training loss of every optimizer step, as computed), and::
 
     from conveyor.training.exported import load_model
     model = load_model("DIR")  # inputs: uint8 [N, C, H, W] / 255, then config's normalize
@@ -20,9 +21,9 @@ from torch import nn
 
 from conveyor.training.models import build_model
 
-MODEL_FILES = ("model.safetensors", "config.json")
-"""The files of an exported model, weights first (``config.json`` names their sha256: it is
-the commit)."""
+MODEL_FILES = ("model.safetensors", "config.json", "losses.json")
+"""The files of an exported model, weights first (``config.json`` names their sha256 and the
+losses': it is the commit)."""
 
 
 def load_model(directory: str | Path) -> nn.Module:

@@ -30,6 +30,9 @@ from conveyor.training.ledger import Ledger
 PROGRESS_METADATA_KEY = "progress"
 LEDGER_EPOCHS_TENSOR = "progress.ledger_epochs"
 LEDGER_COUNTS_TENSOR = "progress.ledger_counts"
+STEP_LOSSES_TENSOR = "progress.step_losses"
+PROGRESS_TENSORS = (LEDGER_EPOCHS_TENSOR, LEDGER_COUNTS_TENSOR, STEP_LOSSES_TENSOR)
+"""The tensors of a slice file that are the progress's (older files lack the step losses)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,9 @@ class JobProgress:
     """Train batches of the epochs not ended that ``version`` includes."""
     ledger: Ledger
     """The sample ledger at ``version``."""
+    step_losses: list[float] = field(default_factory=list)
+    """Mean training loss of every step up to ``version``, in step order (a checkpoint
+    written before they were kept has none)."""
 
     @property
     def usable(self) -> bool:
@@ -100,6 +106,7 @@ class JobProgress:
         tensors = {
             LEDGER_EPOCHS_TENSOR: torch.from_numpy(arrays["epochs"]),  # int32 [E]
             LEDGER_COUNTS_TENSOR: torch.from_numpy(arrays["counts"]),  # int32 [E, num_samples]
+            STEP_LOSSES_TENSOR: torch.tensor(self.step_losses, dtype=torch.float64),  # [steps]
         }
         return json.dumps(document, separators=(",", ":")), tensors
 
@@ -121,9 +128,18 @@ class JobProgress:
                 train_loss={int(e): (float(s), int(n)) for e, (s, n) in raw["train_loss"].items()},
                 applied_batches=[str(b) for b in raw["applied_batches"]],
                 ledger=ledger,
+                step_losses=_step_losses(tensors.get(STEP_LOSSES_TENSOR)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed job progress: {exc}") from exc
+
+
+def _step_losses(tensor: torch.Tensor | None) -> list[float]:
+    if tensor is None:  # a checkpoint from before step losses were kept
+        return []
+    if tensor.dtype != torch.float64 or tensor.dim() != 1:
+        raise ValueError(f"step losses must be float64 [steps], got {tensor.dtype} {tensor.shape}")
+    return [float(loss) for loss in tensor.tolist()]
 
 
 def _outcome_json(outcome: EpochOutcome) -> dict[str, Any]:

@@ -36,9 +36,8 @@ from conveyor.training.checkpoint.manifest import (
     version_of,
 )
 from conveyor.training.checkpoint.progress import (
-    LEDGER_COUNTS_TENSOR,
-    LEDGER_EPOCHS_TENSOR,
     PROGRESS_METADATA_KEY,
+    PROGRESS_TENSORS,
     JobProgress,
 )
 
@@ -174,7 +173,7 @@ def decode_slice(
         progress = None
         if PROGRESS_METADATA_KEY in metadata:
             progress = JobProgress.from_file_parts(metadata[PROGRESS_METADATA_KEY], {
-                name: tensors.pop(name) for name in (LEDGER_EPOCHS_TENSOR, LEDGER_COUNTS_TENSOR)
+                name: tensors.pop(name) for name in PROGRESS_TENSORS if name in tensors
             })  # fmt: skip
         state = SliceState(
             slice_index=int(metadata["slice_index"]),

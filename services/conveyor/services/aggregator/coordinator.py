@@ -146,6 +146,9 @@ class Coordinator:
         """Gradient bytes of every contribution received (applied, rejected or pending)."""
         self.rejected = 0
         self.last_loss: float | None = None
+        self.step_losses: list[float] = []
+        """Mean training loss of every step with samples, in step order: what the applied
+        contributions say their trainers computed (``loss_sum / num_samples``)."""
         self.first_sent_at: float | None = None
         self.last_closed_at: float | None = None
         self.epochs = EpochBook(
@@ -248,6 +251,7 @@ class Coordinator:
             self.steps += 1
             self.samples_trained += close.num_samples
             self.last_loss = loss_sum / close.num_samples
+            self.step_losses.append(self.last_loss)
             self.epochs.train_loss(close.epoch, loss_sum, close.num_samples)
         self.last_closed_at = close.closed_at
         if close.checkpoint is not None:
@@ -272,6 +276,7 @@ class Coordinator:
         self.epochs.resume(progress.ended, progress.train_loss, progress.applied_batches)
         self._applied_batches.update(progress.applied_batches)
         self.ledger = progress.ledger
+        self.step_losses = list(progress.step_losses)
 
     def progress(self) -> JobProgress:
         """The job's progress at the current version (a copy)."""
@@ -279,7 +284,8 @@ class Coordinator:
         return JobProgress(version=self.version, steps=self.steps,
                            samples_trained=self.samples_trained, ended=ended,
                            train_loss=train_loss, applied_batches=applied,
-                           ledger=Ledger.from_arrays(self.ledger.to_arrays()))  # fmt: skip
+                           ledger=Ledger.from_arrays(self.ledger.to_arrays()),
+                           step_losses=list(self.step_losses))  # fmt: skip
 
     # -- derived state ---------------------------------------------------------------------
 

@@ -2,7 +2,10 @@
 
 - ``jobs/<job_id>/model.safetensors``: the model's state_dict; ``config.json`` beside it says
   how to rebuild and feed it (model name and options, num_classes, sample_shape, normalize),
-  so the pair is self-describing: ``build_model(**config)`` + ``load_state_dict``.
+  so the pair is self-describing: ``build_model(**config)`` + ``load_state_dict``;
+  ``losses.json`` beside them holds the mean training loss of every optimizer step, in step
+  order, as the trainers computed it (``{"format": 1, "job_id", "step_losses": [...]}``; a
+  resumed job's history is whole: the checkpoint carries the steps before it).
 - ``jobs/<job_id>/ledger.json``: the coordinator's :class:`~conveyor.training.ledger.Ledger`,
   how many times each sample went into an applied model update per epoch, counted from the
   sample ids the trainers computed on (never from the plan). After a job every train sample's
@@ -44,9 +47,11 @@ def export_model(
     num_classes: int,
     sample_shape: Sequence[int],
     step: int,
+    step_losses: Sequence[float],
 ) -> str:
-    """Write ``model.safetensors`` then ``config.json`` (which names the weights' sha256, so
-    it is the commit); returns the model's URI. Raises the store's StorageError."""
+    """Write ``model.safetensors``, ``losses.json`` (``step_losses``: one per step), then
+    ``config.json`` (which names both files' sha256, so it is the commit); returns the model's
+    URI. Raises the store's StorageError."""
     prefix = job_prefix(job_id)
     tensors = {
         name: value.detach().to("cpu").contiguous().clone()
@@ -67,6 +72,11 @@ def export_model(
     metadata = {"job_id": job_id, "model": spec.model.name, "step": str(step)}
     info = store.put_bytes(f"{prefix}model.safetensors", save_tensors(tensors, metadata=metadata))
     config["weights_sha256"] = info.sha256
+    # JSON numbers print a float's shortest repr, which reads back to the same bits.
+    losses = {"format": 1, "job_id": job_id, "step_losses": list(step_losses)}
+    config["losses_sha256"] = store.put_bytes(
+        f"{prefix}losses.json", json.dumps(losses).encode()
+    ).sha256
     store.put_bytes(f"{prefix}config.json", json.dumps(config, indent=2).encode())
     return store.uri_for(info.key)
 

@@ -47,8 +47,9 @@ async def final_params(
 def write_outputs(
     store: ObjectStore, ctx: JobContext, flat: torch.Tensor, coordinator: Coordinator
 ) -> str:
-    """Export the model at ``flat`` and write the coordinator's ledger (the sample ids the
-    applied contributions were computed on; blocking). Returns the model's URI."""
+    """Export the model at ``flat`` with the coordinator's per-step losses, and write its
+    ledger (the sample ids the applied contributions were computed on; blocking). Returns the
+    model's URI."""
     model = ctx.build_model()
     ctx.layout.load_flat(model, flat)
     uri = export_model(
@@ -59,6 +60,7 @@ def write_outputs(
         num_classes=ctx.num_classes,
         sample_shape=ctx.sample_shape,
         step=coordinator.steps,
+        step_losses=coordinator.step_losses,
     )
     write_ledger(store, ctx.job_id, coordinator.ledger)
     return uri

@@ -9,7 +9,8 @@ Reads as the loop it runs::
             would likely stay within the staleness bound) and load the newest parameters
         gather the allocated micro-batches of the current epoch, forward/backward each
             (eval batches of ended epochs are evaluated on the way, EvalResult per batch)
-        none within empty_contribution_wait_s -> an empty contribution (sync)
+        none within empty_contribution_wait_s -> an empty contribution (sync; a deterministic
+            job waits for its step's micro-batches instead, taken in plan order)
         local mode: take an inner optimizer step, gather again, for sync_every_steps steps
         flat gradient (local: the window's weighted parameter delta) -> K slices -> encode ->
             send all GradSlices, await acks -> Contribution (its batch ids, and the sample ids
@@ -56,6 +57,7 @@ from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.data.intake import BatchIntake
+from conveyor.services.trainer.data.order import batch_seed
 from conveyor.services.trainer.data.prefetch import TRACER_NAME, Prefetcher, ReadyBatch
 from conveyor.services.trainer.plane.control import Applied, Outcome
 from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
@@ -316,9 +318,10 @@ class JobRunner:
         ``started_at``, Unix seconds)."""
         engine, base, plane = self.session.engine, self.loaded_version, self.plane
         assert base is not None
-        wanted = plane.control.micro_batches_for(
-            self.session.spec.micro_batches_per_step, time.time()
-        )
+        spec = self.session.spec
+        wanted = plane.control.micro_batches_for(spec.micro_batches_per_step, time.time())
+        if spec.distribution.deterministic:  # the one trainer takes every step whole, also
+            wanted = spec.micro_batches_per_step  # when an allocation counts a dead predecessor
         if plane.outstanding.mode == "ssp":
             # Each ssp contribution is a step of its own, and nothing would end a turn of 0
             # (sync answers it with an empty contribution and waits for the close).
@@ -386,10 +389,12 @@ class JobRunner:
         self, wanted: int, held: list[ReadyBatch] | None = None
     ) -> tuple[list[Computed], float]:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
-        stops early when none arrives within ``empty_contribution_wait_s``. ``held``: batches
+        stops early when none arrives within ``empty_contribution_wait_s`` (a deterministic job
+        waits, and takes them in plan order, each with its own seed). ``held``: batches
         this contribution already computed (earlier inner steps of a local window). Returns the
         passes computed (one per forward/backward) and the seconds waited for data."""
-        intake = self.intake
+        intake, spec = self.intake, self.session.spec
+        deterministic = spec.distribution.deterministic
         computed: list[Computed] = []
         earlier = held or []
         wait_s = 0.0
@@ -404,10 +409,13 @@ class JobRunner:
                     break  # the rest of the epoch is here: waiting would only stall the step
                 received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
                 wait_s += waited
-                if not received:
+                if not received and not deterministic:
                     break
-                continue
-            result = await self._compute(self.session.engine.accumulate, item.x, item.y, span=item)
+                continue  # deterministic: a partial step would change the step's sums
+            seed = batch_seed(spec.training.seed, item.batch_id) if deterministic else None
+            result = await self._compute(
+                self.session.engine.accumulate, item.x, item.y, seed, span=item
+            )
             self.figures.batch_done(item, result)
             computed.append(Computed(item, result))
         return computed, wait_s

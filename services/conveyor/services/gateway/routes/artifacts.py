@@ -11,7 +11,6 @@ from fastapi import APIRouter, Response, status
 
 from conveyor.services.gateway.routes.deps import BackendDep
 from conveyor.services.gateway.schemas import API_PREFIX, Checkpoint, CheckpointList, ErrorBody, Job
-from conveyor.training.exported import MODEL_FILES
 
 router = APIRouter(prefix=f"{API_PREFIX}/jobs", tags=["checkpoints"])
 
@@ -47,9 +46,10 @@ async def request_checkpoint(job_id: str, backend: BackendDep) -> Job:
     responses={**_NOT_FOUND, 200: {"content": {"application/octet-stream": {}}}},
 )
 async def model_file(job_id: str, name: str, backend: BackendDep) -> Response:
-    """A file of the job's exported model: ``model.safetensors`` (the state_dict) or
-    ``config.json`` (how to rebuild and feed it)."""
+    """A file of the job's exported model: ``model.safetensors`` (the state_dict),
+    ``config.json`` (how to rebuild and feed it) or ``losses.json`` (the per-step training
+    losses)."""
     job = backend.get_job(job_id)
     data = await asyncio.to_thread(backend.artifacts.model_file, job, name)
-    media = "application/json" if name == MODEL_FILES[1] else "application/octet-stream"
+    media = "application/json" if name.endswith(".json") else "application/octet-stream"
     return Response(content=data, media_type=media)

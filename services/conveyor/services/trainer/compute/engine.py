@@ -15,6 +15,7 @@ delta (:mod:`conveyor.services.trainer.compute.inner`).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 
@@ -43,8 +44,27 @@ def resolve_device(requested: str) -> torch.device:
     return device
 
 
-def apply_resources(resources: ResourcesSpec, device: torch.device) -> None:
-    """Thread count (process-wide) and the GPU memory cap of this process."""
+def apply_resources(
+    resources: ResourcesSpec, device: torch.device, *, deterministic: bool = False
+) -> None:
+    """Thread count (process-wide), the GPU memory cap of this process, and torch's
+    deterministic algorithms on or off (process-wide: a trainer hosts one job at a time). On
+    CUDA the default kernels are not bit-reproducible (cuDNN's convolution backward and
+    atomics-based reductions: measured on an H200, a small CNN's parameters differed by 3e-3
+    after 30 Adam steps; identical with deterministic algorithms); an op with no deterministic
+    kernel then fails the job with torch's message instead of breaking the promise."""
+    if deterministic:
+        # torch refuses cuBLAS under deterministic algorithms unless a fixed workspace is
+        # configured (8 x 4 MiB per stream; an operator's own setting wins). torch sizes the
+        # workspace once per process, so a process that already ran a CUDA job keeps its size:
+        # still one size for every step, and the compute runs on one stream.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False  # the fastest algorithm can differ per run
+    # torch.use_deterministic_algorithms also sets torch.compile's (inductor's) flag, and
+    # importing inductor's config costs ~3 s of CPU in every trainer process that runs a job;
+    # nothing here compiles, so the flag the kernels read is set alone (checked by the public
+    # torch.are_deterministic_algorithms_enabled in the unit tests).
+    torch._C._set_deterministic_algorithms(deterministic)
     if resources.threads is not None:
         torch.set_num_threads(resources.threads)
     if resources.memory_fraction is not None and device.type == "cuda":
@@ -151,9 +171,13 @@ class Engine:
         self._synchronize()
         return time.perf_counter() - started
 
-    def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> MicroResult:
-        """Add the gradient of the summed loss of batch ``x``, ``y`` (see ``_forward``)."""
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor, seed: int | None = None) -> MicroResult:
+        """Add the gradient of the summed loss of batch ``x``, ``y`` (see ``_forward``).
+        ``seed``: torch's RNG is seeded with it first (deterministic mode: the model's
+        randomness, dropout say, then depends on the batch alone)."""
         started = time.perf_counter()
+        if seed is not None:
+            torch.manual_seed(seed)
         self.model.train()
         loss_and_correct = self._forward(self.model, x, y)
         loss_and_correct[0].backward()  # type: ignore[no-untyped-call]

@@ -101,7 +101,7 @@ def prepare_job(job: JobView, settings: TrainerSettings, topics: Topics) -> JobS
         raise JobFailure(f"invalid job: {exc}") from exc
     try:
         device = resolve_device(settings.device or spec.resources.device)
-        apply_resources(spec.resources, device)
+        apply_resources(spec.resources, device, deterministic=spec.distribution.deterministic)
         model = build_job_model(spec, num_classes=plan.num_classes, sample_shape=plan.shape).to(
             device
         )

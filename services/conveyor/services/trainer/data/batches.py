@@ -6,7 +6,8 @@ rebalances). Against the control log (:class:`ControlState`) a delivered batch i
 - done: applied (train) or covered (eval) already -> acknowledge it, drop it;
 - a copy: the same batch id is in memory here already -> keep only its delivery, acknowledged
   together with the first one when the batch is done;
-- train of the current epoch -> queued to be trained;
+- train of the current epoch -> queued to be trained (in arrival order, or in plan order in
+  deterministic mode: :mod:`.order`);
 - train of a later epoch, or eval of an epoch that has not ended -> held until it has;
 - eval of an ended epoch -> queued to be evaluated on that epoch's end-of-epoch parameters;
 - outside the job (an epoch beyond it) -> acknowledged and dropped.
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
+from conveyor.services.trainer.data.order import ArrivalQueue, PlanOrder, PlanQueue
 from conveyor.services.trainer.plane.control import ControlState
 
 
@@ -50,14 +52,17 @@ class Disposition(Enum):
 
 
 class BatchBook(Generic[T]):
-    """Batches in memory: queued to train, held, or queued to evaluate."""
+    """Batches in memory: queued to train, held, or queued to evaluate. ``order``: train
+    batches are taken in that plan order (deterministic mode), else as they arrived."""
 
-    def __init__(self, *, epochs: int) -> None:
+    def __init__(self, *, epochs: int, order: PlanOrder | None = None) -> None:
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         self.epochs = epochs
         self._known: set[str] = set()
-        self._train: deque[T] = deque()
+        self._train: ArrivalQueue[T] | PlanQueue[T] = (
+            ArrivalQueue() if order is None else PlanQueue(order)
+        )
         self._eval: deque[T] = deque()
         self._held: dict[str, T] = {}
 
@@ -87,7 +92,7 @@ class BatchBook(Generic[T]):
     def _place(self, item: T, control: ControlState) -> Disposition:
         if item.split == "train":
             if item.epoch == control.current_epoch:
-                self._train.append(item)
+                self._train.push(item)
                 return Disposition.TRAIN
         elif control.epoch_ended(item.epoch):
             self._eval.append(item)
@@ -102,16 +107,11 @@ class BatchBook(Generic[T]):
             self._place(item, control)
 
     def next_train(self, control: ControlState) -> tuple[T | None, list[T]]:
-        """(the next batch to train or None, the queued ones found done meanwhile — dropped)."""
-        dropped: list[T] = []
-        while self._train:
-            item = self._train.popleft()
-            if control.is_done(item.batch_id, item.epoch, item.split):
-                self._known.discard(item.batch_id)
-                dropped.append(item)
-                continue
-            return item, dropped
-        return None, dropped
+        """(the next batch to train or None, the queued ones found done meanwhile — dropped).
+        In plan order, None also while the next batch in that order has not arrived."""
+        item, dropped = self._train.pop(control)
+        self._known.difference_update(d.batch_id for d in dropped)
+        return item, dropped
 
     def next_eval(self, control: ControlState) -> tuple[T | None, list[T]]:
         """(the next batch to evaluate or None, the queued ones found covered — dropped)."""
@@ -134,7 +134,7 @@ class BatchBook(Generic[T]):
                 self._known.discard(item.batch_id)
                 dropped.append(item)
             elif item.epoch == control.current_epoch:
-                self._train.appendleft(item)
+                self._train.push_front(item)
             else:
                 self._held[item.batch_id] = item
         return dropped
@@ -146,7 +146,8 @@ class BatchBook(Generic[T]):
                    if predicate(item)]  # fmt: skip
         if dropped:
             ids = {item.batch_id for item in dropped}
-            self._train = deque(item for item in self._train if item.batch_id not in ids)
+            self._train.remove_if(lambda item: item.batch_id in ids)
+            self._train.done(ids)
             self._eval = deque(item for item in self._eval if item.batch_id not in ids)
             self._held = {k: v for k, v in self._held.items() if k not in ids}
             self._known -= ids
@@ -154,7 +155,9 @@ class BatchBook(Generic[T]):
 
     def finish(self, batch_ids: Iterable[str]) -> None:
         """Forget batches whose effect is on the log (applied or evaluated)."""
-        self._known.difference_update(batch_ids)
+        ids = set(batch_ids)
+        self._known -= ids
+        self._train.done(ids)
 
 
 class AckBook(Generic[R]):

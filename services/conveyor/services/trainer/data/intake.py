@@ -21,6 +21,7 @@ from conveyor.platform.bus import Consumer, Producer, Received
 from conveyor.platform.config import KafkaSettings
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.data.batches import AckBook, BatchBook, Disposition
+from conveyor.services.trainer.data.order import PlanOrder
 from conveyor.services.trainer.data.prefetch import DeviceCopier, Prefetcher, ReadyBatch
 from conveyor.services.trainer.plane.control import ControlState
 from conveyor.services.trainer.reporting.figures import TrainerFigures
@@ -49,8 +50,19 @@ class BatchIntake:
         self._figures = figures
         self._prefetch_batches = prefetch_batches
         self._copy_executor = copy_executor
-        self.book: BatchBook[ReadyBatch] = BatchBook(epochs=session.spec.training.epochs)
-        """Where each batch in memory stands: queued to train or evaluate, or held."""
+        spec = session.spec
+        order = (
+            PlanOrder(
+                job_id=session.job_id,
+                batches_per_shard=spec.shard_size // spec.training.micro_batch_size,
+                train_batches=session.plan.train_batches_per_epoch,
+            )
+            if spec.distribution.deterministic
+            else None
+        )
+        self.book: BatchBook[ReadyBatch] = BatchBook(epochs=spec.training.epochs, order=order)
+        """Where each batch in memory stands: queued to train (in plan order when the job is
+        deterministic) or evaluate, or held."""
         self.acks: AckBook[Received] = AckBook(self._ack)
         """The deliveries of the batches in memory, acknowledged when the log shows them done."""
         self._consumer: Consumer | None = None

@@ -1,0 +1,161 @@
+"""The whole job spec: its sections and the rules that span them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationInfo, field_validator
+
+from conveyor.training.jobspec.base import (
+    IMAGE_FILE_SCHEMES,
+    LANGUAGE_MODELS,
+    _Spec,
+)
+from conveyor.training.jobspec.data import DatasetSpec, PreprocessSpec
+from conveyor.training.jobspec.distribution import DistributionSpec
+from conveyor.training.jobspec.model import ModelSpec
+from conveyor.training.jobspec.optimization import TrainingSpec
+from conveyor.training.jobspec.runtime import CheckpointSpec, FlowSpec, ResourcesSpec
+
+
+class JobSpec(_Spec):
+    """A complete, validated job description."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")
+    """Human name; lower-case letters, digits, '-', '_', '.'."""
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    """Scheduling priority: a higher one gets trainers first (and takes a lower one's elastic
+    extras); equal priorities are served in submission order."""
+    model: ModelSpec
+    dataset: DatasetSpec
+    preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec, validate_default=True)
+    training: TrainingSpec
+    distribution: DistributionSpec = Field(default_factory=DistributionSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    flow: FlowSpec = Field(default_factory=FlowSpec)
+
+    @field_validator("preprocess")
+    @classmethod
+    def _image_files_have_a_size(
+        cls, preprocess: PreprocessSpec, info: ValidationInfo
+    ) -> PreprocessSpec:
+        dataset = info.data.get("dataset")
+        if (
+            dataset is not None
+            and dataset.scheme in IMAGE_FILE_SCHEMES
+            and preprocess.image_size is None
+        ):
+            raise ValueError(
+                f"{dataset.scheme}:// images have any size: set image_size [H, W], the shape "
+                f"the preprocessors bring them to"
+            )
+        if dataset is not None and dataset.scheme == "tokens" and preprocess != PreprocessSpec():
+            raise ValueError(
+                "tokens:// sequences go to the model as they are: leave preprocess out "
+                "(no image_size, channels, normalize or augment)"
+            )
+        return preprocess
+
+    @field_validator("dataset")
+    @classmethod
+    def _language_models_read_tokens(
+        cls, dataset: DatasetSpec, info: ValidationInfo
+    ) -> DatasetSpec:
+        model = info.data.get("model")
+        if model is not None and (dataset.scheme == "tokens") != (model.name in LANGUAGE_MODELS):
+            if dataset.scheme == "tokens":
+                names = ", ".join(sorted(LANGUAGE_MODELS))
+                raise ValueError(
+                    f"tokens:// datasets train language models ({names}), not {model.name!r}"
+                )
+            raise ValueError(
+                f"model {model.name!r} reads tokens:// datasets, not {dataset.scheme}://"
+            )
+        return dataset
+
+    @field_validator("flow")
+    @classmethod
+    def _shard_holds_whole_batches(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training = info.data.get("training")
+        if flow.shard_size is not None and training is not None:
+            micro = training.micro_batch_size
+            if flow.shard_size % micro:
+                raise ValueError(
+                    f"shard_size ({flow.shard_size}) must be a multiple of "
+                    f"training.micro_batch_size ({micro})"
+                )
+        return flow
+
+    @field_validator("flow")
+    @classmethod
+    def _lead_holds_a_window(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training, distribution = info.data.get("training"), info.data.get("distribution")
+        if training is None or distribution is None or distribution.sync_every_steps is None:
+            return flow
+        # A window's batches are acknowledged only once its outer step closes, so the
+        # sharder's lead must let one window's worth be released at a time.
+        window = distribution.sync_every_steps * (
+            training.global_batch_size // training.micro_batch_size
+        )
+        if flow.max_lead_batches < window:
+            raise ValueError(
+                f"max_lead_batches ({flow.max_lead_batches}) must hold one local-mode window: "
+                f"sync_every_steps x micro-batches per step = {window}"
+            )
+        return flow
+
+    @field_validator("flow")
+    @classmethod
+    def _lead_holds_a_step(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        training, distribution = info.data.get("training"), info.data.get("distribution")
+        if training is None or distribution is None or not distribution.deterministic:
+            return flow
+        # A deterministic step waits for all its micro-batches (never sends a partial one),
+        # so the sharder's lead must let a whole step's worth be released.
+        step = training.global_batch_size // training.micro_batch_size
+        if flow.max_lead_batches < step:
+            raise ValueError(
+                f"max_lead_batches ({flow.max_lead_batches}) must hold one deterministic step: "
+                f"{step} micro-batches"
+            )
+        return flow
+
+    @property
+    def language_model(self) -> bool:
+        """Whether the job trains a language model on token sequences (``tokens://``): its
+        losses are per token, it has a perplexity and no accuracy."""
+        return self.dataset.scheme == "tokens"
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches in one optimizer step (all trainers together)."""
+        return self.training.global_batch_size // self.training.micro_batch_size
+
+    @property
+    def shard_size(self) -> int:
+        """Samples per shard task: ``flow.shard_size`` or 8 micro-batches."""
+        if self.flow.shard_size is not None:
+            return self.flow.shard_size
+        return 8 * self.training.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict that :meth:`from_dict` turns back into an equal spec."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobSpec:
+        """Validate a decoded mapping; raises ``pydantic.ValidationError``."""
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> JobSpec:
+        """Parse and validate YAML (JSON is YAML too); raises ``ValueError``."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"job spec is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError("job spec must be a YAML mapping at the top level")
+        return cls.model_validate(data)
