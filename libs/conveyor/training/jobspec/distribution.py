@@ -67,7 +67,8 @@ class DistributionSpec(_Spec):
     allocation: Literal["adaptive", "equal"] = "adaptive"
     """adaptive: each trainer's micro-batches per step, and its share of the batches (the
     routing of batches to partitions), follow its measured throughput; equal: the step is
-    split equally and batches are not routed (each trainer reads an equal share)."""
+    split equally and the batches are spread over the partitions equally (each trainer reads
+    an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     deterministic: bool = False
     """Bit-exact training: the same spec gives the same parameters and per-step losses, run
