@@ -179,23 +179,30 @@ def newest_checkpoint(stack: RunningStack, job_id: str) -> int:
     return max(CheckpointStore(stack.store(), job_id).committed_versions(), default=0)
 
 
-def wait_past_checkpoints(stack: RunningStack, after: dict[str, int], rng: random.Random) -> None:
+def wait_past_checkpoints(
+    stack: RunningStack, after: dict[str, int], rng: random.Random, *, room: int
+) -> None:
     """Until each job has committed a checkpoint 4 or 8 steps (at random) past ``after`` (its
-    newest one at the last kill)."""
-    for job_id, last in after.items():
-        at = last + rng.choice([4, 8])
-        wait_for(lambda j=job_id, v=at: newest_checkpoint(stack, j) >= v,
-                 timeout_s=120, what=f"job {job_id}'s checkpoint v{at}")  # fmt: skip
+    newest one at the last kill), or one of them is within ``room`` + 8 steps of its end: the
+    jobs share the stack's preprocessors and need not train at the same pace, and a kill must
+    come while they still train."""
+    targets = {job_id: last + rng.choice([4, 8]) for job_id, last in after.items()}
+
+    def due() -> bool:
+        newest = {job_id: newest_checkpoint(stack, job_id) for job_id in targets}
+        near_end = max(newest.values()) >= EXACT_STEPS - room - 8
+        return near_end or all(newest[j] >= at for j, at in targets.items())
+
+    wait_for(due, timeout_s=180, what=f"checkpoints {targets}")
 
 
-def kill_mid_run(
-    stack: RunningStack, job_ids: Iterable[str], rng: random.Random, *, room: int
-) -> dict[str, int]:
-    """Wait up to 0.5 s and kill the whole stack while every job still trains with ``room``
-    steps to spare past its newest checkpoint; returns those newest checkpoints."""
+def kill_mid_run(stack: RunningStack, job_ids: Iterable[str], rng: random.Random) -> dict[str, int]:
+    """Wait up to 0.5 s and kill the whole stack while a job still trains; returns each job's
+    newest checkpoint. (That every job was killed mid-run and resumed is checked at the end:
+    each completes with ``resumed_from`` set.)"""
     time.sleep(rng.uniform(0.0, 0.5))
     newest = {job_id: newest_checkpoint(stack, job_id) for job_id in job_ids}
-    assert max(newest.values()) < EXACT_STEPS - room, f"trained too far before a kill: {newest}"
+    assert min(newest.values()) < EXACT_STEPS, f"every job ended before the kill: {newest}"
     kill_everything(stack)
     print(f"killed the whole stack past checkpoints {sorted(newest.values())}")
     return newest
@@ -318,9 +325,9 @@ def test_deterministic_jobs_killed_twice_with_the_whole_stack_end_bit_exact(
         straight_runs = {name: exported(current, job_id) for name, job_id in straight.items()}
         killed = {name: current.submit(exact_spec(name)) for name in OPTIMIZERS}
         newest = dict.fromkeys(killed.values(), 0)
-        for room in (8, 0):  # the first kill leaves room for a checkpoint 8 steps on
-            wait_past_checkpoints(current, newest, rng)
-            newest = kill_mid_run(current, killed.values(), rng, room=room)
+        for room in (16, 0):  # the first kill leaves room for the second
+            wait_past_checkpoints(current, newest, rng, room=room)
+            newest = kill_mid_run(current, killed.values(), rng)
             current = restart(current)
         assert_bit_exact(current, straight_runs, killed)
     finally:

@@ -31,7 +31,7 @@ def test_the_wheel_holds_one_namespace_from_the_three_source_roots(wheel: Path) 
     for expected in (
         "conveyor/__main__.py",
         "conveyor/platform/bus/consumer.py",
-        "conveyor/training/jobspec.py",
+        "conveyor/training/jobspec/__init__.py",
         "conveyor/services/trainer/service.py",
         "conveyor/services/gateway/routes/jobs.py",
         "conveyor/cli/main.py",
