@@ -80,6 +80,10 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
         "checkpointer": [stack.service("checkpointer")],
         "aggregator": [stack.service("aggregator-1"), stack.service("aggregator-2")],
     }
+    # The kills start once the job trains (a checkpoint is committed): on a quiet machine the
+    # job trains its 69 steps in seconds, and kills before its slices were served tested nothing.
+    wait_for(lambda: bool(CheckpointStore(stack.store(), job_id).committed_versions()),
+             timeout_s=120, what="the job's first checkpoint")  # fmt: skip
     kills: list[str] = []
     for n in range(KILLS):
         time.sleep(rng.uniform(0.2, 1.0))
