@@ -228,6 +228,10 @@ def assert_bit_exact(
 ) -> None:
     """Each optimizer's killed job ended as its straight run: exported parameters equal bit
     for bit, every step's loss equal, the ledger exactly once."""
+    # After a whole-stack kill the gateway knows a job again once the checkpointer has put it
+    # back on the jobs topic from its registry: until then it answers 404.
+    wait_for(lambda: set(killed.values()) <= {j["id"] for j in stack.gateway.jobs(limit=10)},
+             timeout_s=60, what="the killed jobs to come back by themselves")  # fmt: skip
     for name, job_id in killed.items():
         job = stack.wait_job(job_id, timeout_s=180)
         assert job["state"] == "completed" and job["resumed_from"] is not None, job
