@@ -91,11 +91,13 @@ class _Plan:
         self.payload_reader: type[_PayloadReader] | None = None
         tensor_type: type | None = None
         if self.tensor_fields or self.dict_tensor_fields:
+            import torch
+
             from conveyor.platform.codec import tensors
 
             self.payload_writer = tensors._PayloadWriter
             self.payload_reader = tensors._PayloadReader
-            tensor_type = tensors.torch.Tensor
+            tensor_type = torch.Tensor
         # The common type of each field's value, in order: when every value has it, one
         # comparison checks them all; otherwise _check_types checks each against its spec.
         self.encode_types = tuple(

@@ -50,7 +50,6 @@ from conveyor.training.checkpoint import (
     CheckpointStore,
     Manifest,
     SliceFile,
-    decode_slice,
     slice_key,
 )
 from conveyor.training.jobhost import JobFailure, JobHostService
@@ -265,6 +264,9 @@ def _files_in_store(
 ) -> list[SliceFile]:
     """The files of ``version`` as written (their announcements may be lost): each slice's
     file is read back for its recorded offset. ObjectNotFound when one is missing."""
+    # Reading a slice file back imports torch, which the checkpointer needs only here.
+    from conveyor.training.checkpoint.slicefile import decode_slice
+
     files: list[SliceFile] = []
     for index in range(book.num_slices):
         announced = book.file(version, index)
