@@ -47,7 +47,7 @@ from conveyor.platform.codec.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from conveyor.platform.codec.framing import decode, encode
+from conveyor.platform.codec.framing import decode, encode, message_type
 from conveyor.platform.codec.limits import ALIGN_BYTES, DEFAULT_LIMITS, PREFIX_BYTES, CodecLimits
 
 __all__ = [
@@ -62,4 +62,5 @@ __all__ = [
     "UnsupportedVersion",
     "decode",
     "encode",
+    "message_type",
 ]

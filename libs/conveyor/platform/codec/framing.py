@@ -145,6 +145,33 @@ def decode(
         raise MalformedMessage(f"undecodable message: {type(exc).__name__}: {exc}") from exc
 
 
+_PEEK_BYTES = 256
+"""Header bytes :func:`message_type` reads: ``v`` and ``type`` come first and are short."""
+
+
+def message_type(data: bytes | bytearray | memoryview) -> str | None:
+    """The wire type name of an encoded message, read from the first two entries of its header
+    (:func:`encode` writes ``v`` then ``type`` first) without decoding the rest: a reader that
+    wants some types only skips the others before their fields and tensors are built. None when
+    the bytes do not start as :func:`encode` writes them: :func:`decode` then decides (and says
+    why it refuses them)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < PREFIX_BYTES:
+        return None
+    header_end = min(PREFIX_BYTES + _PREFIX.unpack_from(view)[0], view.nbytes)
+    unpacker = msgpack.Unpacker(max_ext_len=0, ext_hook=_reject_ext, strict_map_key=True, raw=False)
+    unpacker.feed(view[PREFIX_BYTES : min(header_end, PREFIX_BYTES + _PEEK_BYTES)])
+    try:
+        if unpacker.read_map_header() < 2:
+            return None
+        entries = [unpacker.unpack() for _ in range(4)]  # "v", version, "type", name
+    except (msgpack.UnpackException, ValueError, CodecError):
+        return None
+    if entries[0] != "v" or entries[2] != "type" or type(entries[3]) is not str:
+        return None
+    return entries[3]
+
+
 def _reject_ext(code: int, data: bytes) -> NoReturn:
     raise MalformedMessage(f"msgpack extension type {code} is not allowed")
 

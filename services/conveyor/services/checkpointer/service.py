@@ -155,7 +155,7 @@ class CheckpointerService(JobHostService[Prepared]):
         book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
         try:
             control_topic = job.plan.control_topic  # the view's plan changes on a resume
-            async with TopicTail(self.kafka, control_topic) as control:
+            async with TopicTail(self.kafka, control_topic, types=book.FOLDED) as control:
                 while True:
                     for record in await control.get_many(self.settings.poll_s):
                         book.fold(record.message)
