@@ -397,11 +397,10 @@ class JobRunner:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
         stops early when none arrives within ``empty_contribution_wait_s`` (a deterministic job
         waits, and takes them in plan order, each with its own seed). ``held``: batches
-        this contribution already computed (earlier inner steps of a local window).
-        ``stream_last``: the ``wanted``-th pass sends the step's slices as its backward
-        completes them. Returns the passes computed (one per forward/backward), the seconds
-        waited for data and the streamed gradient (None when no pass streamed: the step ended
-        short, or ``stream_last`` is off)."""
+        this contribution already computed (earlier inner steps of a local window);
+        ``stream_last``: the ``wanted``-th pass sends the slices as its backward completes them.
+        Returns the passes (one per forward/backward), the seconds waited for data and the
+        streamed gradient (None if no pass streamed, e.g. a step cut short)."""
         intake, spec, engine = self.intake, self.session.spec, self.session.engine
         deterministic = spec.distribution.deterministic
         computed: list[Computed] = []
