@@ -35,9 +35,15 @@ def test_a_slice_is_complete_when_every_trainable_entry_over_it_is_accumulated()
     readiness = SliceReadiness(ENTRIES, BOUNDS)
     assert readiness.accumulated(3) == [2]  # the statistic (entry 2) is not waited for
     assert readiness.accumulated(1) == [1]
-    assert readiness.accumulated(1) == []  # counted once
     assert readiness.accumulated(0) == [0]
     assert readiness.rest() == []
+
+
+def test_an_entry_accumulated_twice_in_one_pass_is_refused() -> None:
+    readiness = SliceReadiness(ENTRIES, BOUNDS)
+    assert readiness.accumulated(1) == [1]
+    with pytest.raises(ValueError, match="accumulated twice"):
+        readiness.accumulated(1)
 
 
 def test_slices_the_pass_did_not_complete_are_handed_over_at_its_end_once() -> None:
@@ -45,7 +51,7 @@ def test_slices_the_pass_did_not_complete_are_handed_over_at_its_end_once() -> N
     assert readiness.accumulated(3) == [2]
     assert readiness.rest() == [0, 1]  # entry 0 and 1 were outside the graph
     assert readiness.rest() == []
-    assert readiness.accumulated(0) == []  # already handed over
+    assert readiness.accumulated(0) == []  # its slice was already handed over
 
 
 def test_a_slice_without_trainable_entries_waits_for_the_end() -> None:

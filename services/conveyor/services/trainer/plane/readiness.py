@@ -8,7 +8,8 @@ has been accumulated. Entries that are not trainable (statistics, frozen paramet
 waited for: their values are final before the backward starts. A slice with nothing to wait
 for, and a slice whose parameters the pass never reached (a parameter outside the graph keeps
 its earlier gradient), is handed over by :meth:`SliceReadiness.rest` when the pass has ended.
-Each slice is handed over exactly once.
+Each slice is handed over exactly once; an entry accumulated twice in one pass (its slice may
+have left without the second part) is refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ class SliceReadiness:
 
     def accumulated(self, entry: int) -> list[int]:
         """Entry ``entry`` has its gradient for this pass: the slices that became complete
-        (ascending; empty if none did, or if the entry was already counted). IndexError for an
-        entry outside the layout."""
+        (ascending; empty if none did). ValueError when the entry was already accumulated in
+        this pass (a slice holding it may have left without its second part: a model that
+        runs a parameter's backward twice, as reentrant activation checkpointing can, needs
+        ``overlap_backward: false``); IndexError for an entry outside the layout."""
         if self._done[entry]:
-            return []
+            raise ValueError(
+                f"layout entry {entry} had its gradient accumulated twice in one backward pass, "
+                "so its slice may have been sent incomplete: set "
+                "distribution.overlap_backward: false for this model"
+            )
         self._done[entry] = True
         ready: list[int] = []
         for p in self._slices_of[entry]:
