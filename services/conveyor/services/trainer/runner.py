@@ -53,6 +53,7 @@ from conveyor.platform.messages import (
     TrainerJoined,
     TrainerState,
 )
+from conveyor.services.trainer.compute.inner import waiting_steps
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings
@@ -256,6 +257,8 @@ class JobRunner:
 
     async def _train(self) -> None:
         listener, first = self.plane.listener, True
+        if self.plane.control.version == 0:  # a fresh job: no empty steps before data can come
+            await self.intake.joined()
         while not self._training_over():
             started = time.perf_counter()
             await listener.wait_for(lambda: self._may_start() or self._training_over())
@@ -362,17 +365,19 @@ class JobRunner:
         )
 
     async def _window(self, wanted: int, base: int) -> tuple[list[Computed], float, list[int]]:
-        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches each
-        on the loaded version ``base``; ends early when a step finds fewer (the epoch's data
-        ran out, or none arrived in time). Returns the passes, the seconds waited for data and
-        the passes of each inner step."""
-        inner = self.session.engine.inner
+        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches each on
+        version ``base``; ends early when a step finds fewer (none came in time; past
+        :func:`waiting_steps`, none had come). Returns passes, seconds waited, passes per step."""
+        inner, control = self.session.engine.inner, self.plane.control
         assert inner is not None
+        left = control.train_left(control.current_epoch)
+        waiting = waiting_steps(left, self.session.spec.micro_batches_per_step)
         computed: list[Computed] = []
         inner_steps: list[int] = []
         wait_s = 0.0
         for index in range(inner.window):
-            step, waited = await self._gather(wanted, [c.batch for c in computed])
+            patience_s = None if index < waiting else 0.0
+            step, waited = await self._gather(wanted, [c.batch for c in computed], patience_s)
             wait_s += waited
             if not step:
                 break
@@ -386,15 +391,16 @@ class JobRunner:
         return computed, wait_s, inner_steps
 
     async def _gather(
-        self, wanted: int, held: list[ReadyBatch] | None = None
+        self, wanted: int, held: list[ReadyBatch] | None = None, patience_s: float | None = None
     ) -> tuple[list[Computed], float]:
-        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
-        stops early when none arrives within ``empty_contribution_wait_s`` (a deterministic job
-        waits, and takes them in plan order, each with its own seed). ``held``: batches
-        this contribution already computed (earlier inner steps of a local window). Returns the
-        passes computed (one per forward/backward) and the seconds waited for data."""
+        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes; stops
+        early when none arrives within ``patience_s`` (default: empty_contribution_wait_s; a
+        deterministic job waits, and takes them in plan order, each with its own seed). ``held``:
+        batches computed for this contribution before (earlier inner steps of a local window).
+        Returns the passes (one per forward/backward) and the seconds waited for data."""
         intake, spec = self.intake, self.session.spec
         deterministic = spec.distribution.deterministic
+        patience_s = self.settings.empty_contribution_wait_s if patience_s is None else patience_s
         computed: list[Computed] = []
         earlier = held or []
         wait_s = 0.0
@@ -407,7 +413,7 @@ class JobRunner:
                 gathered = earlier + [c.batch for c in computed]
                 if gathered and self._epoch_in_hand(gathered):
                     break  # the rest of the epoch is here: waiting would only stall the step
-                received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
+                received, waited = await intake.receive(patience_s)
                 wait_s += waited
                 if not received and not deterministic:
                     break
@@ -425,13 +431,9 @@ class JobRunner:
         step or in this trainer's outstanding contributions, so no other can arrive for it
         (an epoch whose count is not a multiple of the step would otherwise wait
         ``empty_contribution_wait_s`` at its end for a batch that does not exist)."""
-        control = self.plane.control
-        epoch = control.current_epoch
-        outstanding = sum(
-            1 for pending in self.plane.outstanding for batch in pending.batches
-            if batch.epoch == epoch
-        )  # fmt: skip
-        return control.train_left(epoch) <= len(gathered) + outstanding
+        control, epoch = self.plane.control, self.plane.control.current_epoch
+        sent = [b for p in self.plane.outstanding for b in p.batches if b.epoch == epoch]
+        return control.train_left(epoch) <= len(gathered) + len(sent)
 
     # -- evaluation ---------------------------------------------------------------------------
 
