@@ -198,6 +198,24 @@ class RunningStack:
             port=port,
         )
 
+    def wait_ready(self, service: ServiceInfo, *, timeout_s: float = 60.0) -> None:
+        """Until ``service`` answers ``/readyz`` with 200."""
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{service.base_url}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout_s=timeout_s, what=f"{service.name} ready")
+
+    def stop_extra(self, name: str) -> None:
+        """Stop the process :meth:`start_extra` started as ``name`` (SIGTERM: drains, leaves)."""
+        process = next(p for n, p in self.extra if n == name)
+        process.terminate()
+        process.wait(timeout=30)
+        self.extra.remove((name, process))
+
     def alive(self) -> dict[str, bool]:
         """Which recorded services run (SIGKILLed ones do not)."""
         return {s.name: is_alive(s.process) for s in self.state.services}

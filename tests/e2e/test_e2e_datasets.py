@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from e2e_stack import DIGITS_SAMPLES, RunningStack, conveyor, running_stack
+from e2e_stack import DIGITS_SAMPLES, RunningStack, conveyor, metric_sum, running_stack, wait_for
 from ledger_check import assert_exactly_once
 from PIL import Image
 
@@ -145,15 +145,35 @@ def _ids_of(paths: list[Path]) -> list[int]:
 def test_a_batch_norm_resnet_trains_and_its_export_evaluates_alike(
     stack: RunningStack, workdir: Path, tmp_path: Path
 ) -> None:
-    """BatchNorm running statistics travel with the gradients (departure 28): the exported
-    model, loaded outside Conveyor and fed the eval images decoded here with Pillow, scores
-    exactly what the trainers measured; with untrained statistics (mean 0, var 1 in every
-    layer) it would not."""
+    """BatchNorm running statistics travel with the gradients (departure 28), averaged over two
+    trainers at every step: the exported model, loaded outside Conveyor and fed the eval images
+    decoded here with Pillow, scores exactly what the trainers measured; with untrained
+    statistics (mean 0, var 1 in every layer) it would not."""
     spec = example("imagefolder")
     spec["name"] = "digits-resnet-bn"
     spec["model"] = {"name": "resnet18", "width": 8, "norm": "batch"}
-    spec["distribution"] = {"trainers": 1, "aggregator_shards": 2}  # statistics in both slices
-    job = train(stack, spec)
+    spec["distribution"] = {"trainers": 2, "aggregator_shards": 2}  # statistics in both slices
+    second = stack.start_extra("trainer-bn", "trainer", stack.environ_of("trainer"))
+    stack.wait_ready(second)
+
+    def samples_trained() -> list[float]:  # by each trainer, in applied contributions
+        return [metric_sum(stack.metrics(t), "conveyor_trainer_samples_total")
+                for t in (stack.service("trainer"), second)]  # fmt: skip
+
+    try:
+        before = samples_trained()[0]  # the first trainer trained the module's earlier jobs
+        job = train(stack, spec)
+        expected = job["plan"]["num_train"] * job["summary"]["epochs"]
+
+        def this_job() -> list[float] | None:
+            first, other = samples_trained()
+            counts = [first - before, other]
+            return counts if sum(counts) == expected else None
+
+        trained = wait_for(this_job, timeout_s=10, what=f"trained samples to add up to {expected}")
+    finally:
+        stack.stop_extra("trainer-bn")
+    assert min(trained) > 0, trained  # both trainers' statistics went into the average
     reported = job["summary"]["eval_accuracy"]
     assert reported > 0.8, reported  # chance is 0.1
     export = tmp_path / "export"

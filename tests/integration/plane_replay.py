@@ -217,7 +217,7 @@ def explain(run: Run, version: int) -> str:
         local, _ = replica.gradient(run.flat_params(entry.base_version), contribution.batch_ids)
         sent = torch.cat([run.grads[(cid, p)].values for p in range(run.num_slices)])
         lines.append(
-            f"  {cid} base {entry['base_version']} batches {contribution.batch_ids}: "
+            f"  {cid} base {entry.base_version} batches {contribution.batch_ids}: "
             f"max |sent - local| = {(sent - local).abs().max().item():.3g} "
             f"(max |local| {local.abs().max().item():.3g})"
         )

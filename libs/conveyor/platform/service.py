@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
 
+from conveyor.platform.awaiting import await_chain
 from conveyor.platform.config import TelemetrySettings
 from conveyor.platform.errors import ConveyorError
 from conveyor.platform.lifecycle import AsyncLifecycle
@@ -255,7 +256,10 @@ class Service(AsyncLifecycle):
                 run_task.cancel()
                 done, _ = await asyncio.wait({run_task}, timeout=self.stop_timeout_s)
                 if not done:
-                    logger.error("%s: run() ignored cancellation", self.name)
+                    logger.error(
+                        "%s: run() ignored cancellation for %.0fs; it awaits:\n  %s",
+                        self.name, self.stop_timeout_s, "\n  ".join(await_chain(run_task)),
+                    )  # fmt: skip
                     self._exit_code = max(self._exit_code, EXIT_FAILURE)
         logger.info("%s: stopped with exit code %d", self.name, self._exit_code)
         return self._exit_code

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
 """Longest the heartbeat before a LeaveGroup may take."""
+LEAVE_TIMEOUT_S = 3.0
+"""Longest a LeaveGroup may take."""
 
 
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -36,38 +38,43 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     """Stop ``consumer`` and leave the group, so that its partitions move at once, unless
-    another member is joining right now.
+    another member is joining right now. Bounded: the LeaveGroup gets
+    :data:`LEAVE_TIMEOUT_S`, after which the broker drops the member at its session timeout.
 
     aiokafka sends LeaveGroup only when the generation is > 0, but Tansu numbers a group's
     first generation 0; its members would hold their partitions until their session timed
-    out. For that case the request is sent here (aiokafka 0.14 internals; the version is
+    out. And aiokafka's LeaveGroup waits for the whole request timeout (30 s) when the broker
+    holds it, longer than a service's stop may take (Tansu held one during a rebalance). So
+    the request is sent here for every generation (aiokafka 0.14 internals; the version is
     pinned), after the coordinator stopped heartbeating and before the connection closes.
 
     Tansu 0.6 wedges a group for good when its generation-0 leader leaves while another
     member's JoinGroup is pending: every later join names the departed member as leader and
     every SyncGroup fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator
-    stopped while a second one joined hung its job). So a heartbeat goes first; when it says
-    the group is rebalancing, no LeaveGroup goes out and the broker drops this member after
-    its session timeout instead, which Tansu handles. Later generations keep aiokafka's own
-    LeaveGroup: skipping it there would hold the other members' joins for a session timeout
-    (and their own stops with them), and no wedge was seen past generation 0.
+    stopped while a second one joined hung its job). So at generation 0 a heartbeat goes
+    first; when it says the group is rebalancing, no LeaveGroup goes out and the broker drops
+    this member after its session timeout instead, which Tansu handles. Later generations
+    leave always: skipping it there would hold the other members' joins for a session
+    timeout (and their own stops with them), and no wedge was seen past generation 0.
     """
     coordinator = getattr(consumer, "_coordinator", None)
     member_id = getattr(coordinator, "member_id", "")
-    if coordinator is not None and getattr(coordinator, "generation", -1) == 0 and member_id:
-        rebalancing = await _rebalancing(coordinator, group_id, member_id)
+    generation = getattr(coordinator, "generation", -1)
+    if coordinator is not None and generation >= 0 and member_id:
+        rebalancing = generation == 0 and await _rebalancing(coordinator, group_id, member_id)
         if rebalancing:
             logger.info(
                 "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
                 group_id,
             )
-            coordinator.generation = -1  # what a member that never joined has: no LeaveGroup
+        coordinator.generation = -1  # what a member that never joined has: no aiokafka leave
         await coordinator.close()  # idempotent: consumer.stop() calls it again
         if not rebalancing:
+            leave = coordinator._send_req(LeaveGroupRequest(group_id, member_id))
             try:
-                await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
-            except KafkaError as exc:
-                logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
+                await asyncio.wait_for(leave, LEAVE_TIMEOUT_S)
+            except (KafkaError, TimeoutError) as exc:
+                logger.warning("group %s: LeaveGroup failed: %r", group_id, exc)
     await consumer.stop()
 
 

@@ -77,6 +77,8 @@ R = TypeVar("R")
 
 _FOLLOW_POLL_S = 0.5
 _EVAL_ONLY_POLL_S = 1.0
+_LEAVE_TIMEOUT_S = 2.0
+"""How long a trainer leaving a job tries to send its leaving heartbeat."""
 
 
 class JobRunner:
@@ -183,7 +185,9 @@ class JobRunner:
         after its timeout)."""
         self.intake.let_go()
         try:
-            await self.reporter.send_heartbeat(leaving=True)
+            # Bounded: a send to a deleted control topic waits out the request timeout.
+            async with asyncio.timeout(_LEAVE_TIMEOUT_S):
+                await self.reporter.send_heartbeat(leaving=True)
         except Exception as exc:  # leaving anyway; the member timeout covers it
             logger.info("job %s: no leaving heartbeat: %s", self.session.job_id, exc)
 
