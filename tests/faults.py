@@ -28,8 +28,10 @@ class BatchComputedTwice:
         original = JobRunner._gather
         fault = self
 
-        async def gather(runner: JobRunner, wanted: int) -> tuple[list[Computed], float]:
-            computed, wait_s = await original(runner, wanted)
+        async def gather(
+            runner: JobRunner, wanted: int, patience_s: float
+        ) -> tuple[list[Computed], float]:
+            computed, wait_s = await original(runner, wanted, patience_s)
             if computed and fault.batch_id is None and runner.settings.worker_id == fault.worker_id:
                 batch = computed[0].batch
                 again = await runner._compute(runner.session.engine.accumulate, batch.x, batch.y)

@@ -53,7 +53,6 @@ from conveyor.platform.messages import (
     TrainerJoined,
     TrainerState,
 )
-from conveyor.services.trainer.compute.inner import waiting_steps
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings
@@ -334,7 +333,7 @@ class JobRunner:
             # (sync answers it with an empty contribution and waits for the close).
             wanted = max(1, wanted)
         if engine.inner is None:
-            computed, wait_s = await self._gather(wanted)
+            computed, wait_s = await self._gather(wanted, self.settings.empty_contribution_wait_s)
             inner_steps: list[int] = []
         else:
             computed, wait_s, inner_steps = await self._window(wanted, base)
@@ -370,18 +369,17 @@ class JobRunner:
 
     async def _window(self, wanted: int, base: int) -> tuple[list[Computed], float, list[int]]:
         """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches each on
-        version ``base``; ends early when a step finds fewer (none came in time; past
-        :func:`waiting_steps`, none had come). Returns passes, seconds waited, passes per step."""
+        version ``base``; ends early when a step finds fewer (none came in time; or had come,
+        past ``inner.waiting_steps``). Returns passes, seconds waited, passes per step."""
         inner, control = self.session.engine.inner, self.plane.control
         assert inner is not None
-        left = control.train_left(control.current_epoch)
-        waiting = waiting_steps(left, self.session.spec.micro_batches_per_step)
+        waiting = inner.waiting_steps(control.train_left(control.current_epoch))
         computed: list[Computed] = []
         inner_steps: list[int] = []
         wait_s = 0.0
         for index in range(inner.window):
-            patience_s = None if index < waiting else 0.0
-            step, waited = await self._gather(wanted, [c.batch for c in computed], patience_s)
+            patience_s = self.settings.empty_contribution_wait_s if index < waiting else 0.0
+            step, waited = await self._gather(wanted, patience_s, [c.batch for c in computed])
             wait_s += waited
             if not step:
                 break
@@ -395,16 +393,14 @@ class JobRunner:
         return computed, wait_s, inner_steps
 
     async def _gather(
-        self, wanted: int, held: list[ReadyBatch] | None = None, patience_s: float | None = None
+        self, wanted: int, patience_s: float, held: list[ReadyBatch] | None = None
     ) -> tuple[list[Computed], float]:
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes; stops
-        early when none arrives within ``patience_s`` (default: empty_contribution_wait_s; a
-        deterministic job waits, and takes them in plan order, each with its own seed). ``held``:
-        batches computed for this contribution before (earlier inner steps of a local window).
-        Returns the passes (one per forward/backward) and the seconds waited for data."""
+        early when none arrives within ``patience_s`` (a deterministic job waits, and takes them
+        in plan order, each with its own seed). ``held``: batches computed for this contribution
+        before (local mode's earlier inner steps). Returns the passes and the seconds waited."""
         intake, spec = self.intake, self.session.spec
         deterministic = spec.distribution.deterministic
-        patience_s = self.settings.empty_contribution_wait_s if patience_s is None else patience_s
         computed: list[Computed] = []
         earlier = held or []
         wait_s = 0.0

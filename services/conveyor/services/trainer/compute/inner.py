@@ -33,6 +33,7 @@ class InnerOptimizer:
         if window is None:
             raise ValueError("an inner optimizer needs distribution.sync_every_steps (local mode)")
         self.window = window
+        self._micro_batches_per_step = spec.micro_batches_per_step
         self._model = model
         self._training = spec.training
         self._optimizer = build_optimizer(spec.training.optimizer, model.parameters())
@@ -48,6 +49,10 @@ class InnerOptimizer:
         training = self._training
         step = version * self.window + index
         return lr_at(training.lr_schedule, training.optimizer.lr, step, self.total_steps)
+
+    def waiting_steps(self, train_left: int) -> int:
+        """:func:`waiting_steps` of a window at this job's micro-batches per step."""
+        return waiting_steps(train_left, self._micro_batches_per_step)
 
     def step(self, num_samples: int, lr: float) -> None:
         """One optimizer step on the gradient accumulated over ``num_samples`` samples (>= 1),
