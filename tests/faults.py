@@ -29,13 +29,13 @@ class BatchComputedTwice:
         fault = self
 
         async def gather(
-            runner: JobRunner, wanted: int, *, stream_last: bool = False
+            runner: JobRunner, wanted: int, patience_s: float, *, stream_last: bool = False
         ) -> tuple[list[Computed], float, StreamedGradient | None]:
             armed = fault.batch_id is None and runner.settings.worker_id == fault.worker_id
             # The pass added here must go into the gradient, so the step it joins sends its
             # slices after the backward, not during it.
             computed, wait_s, streamed = await original(
-                runner, wanted, stream_last=stream_last and not armed
+                runner, wanted, patience_s, stream_last=stream_last and not armed
             )
             if computed and armed:
                 batch = computed[0].batch

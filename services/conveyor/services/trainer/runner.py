@@ -334,7 +334,8 @@ class JobRunner:
         streamed: StreamedGradient | None = None
         if engine.inner is None:
             overlap = spec.distribution.overlaps_backward
-            computed, wait_s, streamed = await self._gather(wanted, stream_last=overlap)
+            patience_s = self.settings.empty_contribution_wait_s
+            computed, wait_s, streamed = await self._gather(wanted, patience_s, stream_last=overlap)
             inner_steps: list[int] = []
         else:
             computed, wait_s, inner_steps = await self._window(wanted, base)
@@ -368,17 +369,17 @@ class JobRunner:
         )
 
     async def _window(self, wanted: int, base: int) -> tuple[list[Computed], float, list[int]]:
-        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches each
-        on the loaded version ``base``; ends early when a step finds fewer (the epoch's data
-        ran out, or none arrived in time). Returns the passes, the seconds waited for data and
-        the passes of each inner step."""
-        inner = self.session.engine.inner
+        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches on
+        ``base``, ending at one that finds fewer (past ``inner.waiting_steps``: waits for none)."""
+        inner, control = self.session.engine.inner, self.plane.control
         assert inner is not None
+        waiting = inner.waiting_steps(control.train_left(control.current_epoch))
         computed: list[Computed] = []
         inner_steps: list[int] = []
         wait_s = 0.0
         for index in range(inner.window):
-            step, waited, _ = await self._gather(wanted, [c.batch for c in computed])
+            patience_s = self.settings.empty_contribution_wait_s if index < waiting else 0.0
+            step, waited, _ = await self._gather(wanted, patience_s, [c.batch for c in computed])
             wait_s += waited
             if not step:
                 break
@@ -392,15 +393,14 @@ class JobRunner:
         return computed, wait_s, inner_steps
 
     async def _gather(
-        self, wanted: int, held: list[ReadyBatch] | None = None, *, stream_last: bool = False
-    ) -> tuple[list[Computed], float, StreamedGradient | None]:
-        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
-        stops early when none arrives within ``empty_contribution_wait_s`` (a deterministic job
-        waits, and takes them in plan order, each with its own seed). ``held``: batches
-        this contribution already computed (earlier inner steps of a local window);
-        ``stream_last``: the ``wanted``-th pass sends the slices as its backward completes them.
-        Returns the passes (one per forward/backward), the seconds waited for data and the
-        streamed gradient (None if no pass streamed, e.g. a step cut short)."""
+        self, wanted: int, patience_s: float, held: list[ReadyBatch] | None = None,
+        *, stream_last: bool = False,
+    ) -> tuple[list[Computed], float, StreamedGradient | None]:  # fmt: skip
+        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes; stops
+        early when none arrives within ``patience_s`` (a deterministic job waits, and takes them
+        in plan order, each with its own seed). ``held``: batches computed for this contribution
+        before (local mode's earlier inner steps); ``stream_last``: the ``wanted``-th pass sends
+        the slices as its backward completes them. Returns passes, seconds waited, the stream."""
         intake, spec, engine = self.intake, self.session.spec, self.session.engine
         deterministic = spec.distribution.deterministic
         computed: list[Computed] = []
@@ -416,7 +416,7 @@ class JobRunner:
                 gathered = earlier + [c.batch for c in computed]
                 if gathered and self.plane.epoch_in_hand(gathered):
                     break  # the rest of the epoch is here: waiting would only stall the step
-                received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
+                received, waited = await intake.receive(patience_s)
                 wait_s += waited
                 if not received and not deterministic:
                     break
