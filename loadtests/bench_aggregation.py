@@ -12,6 +12,12 @@ Systems:
     conveyor  the real stack (``conveyor up --scale trainer=2 --scale aggregator=2``: broker,
               gateway, sharder, preprocessor, 2 trainers, 2 aggregators), sync jobs with 2
               trainers and 2 parameter slices submitted through the gateway, one after the other.
+Overlap: every Conveyor job runs twice on the stack, as is (a step's slices sent while its last
+backward pass runs, ``distribution.overlap_backward``) and as ``<case>_serial`` with it off
+(every slice after the whole backward), paired on one seed, alternating which goes first; the
+hop table shows both, and the JSON has ``serial_hop_*_ms`` beside ``hop_*_ms`` and
+``overlap_compute_grad_send_vs_serial`` (compute + grad_send hops, ours / serial; resnet18's
+with a ``resnet18_`` prefix) and ``overlap_step_vs_serial``.
 local and ddp run while no stack is up (an idle stack takes ~10% of 2 cores): half of the
 repeats before it starts, half after it stopped; ratios are ratios of medians.
 Per-step time: local/ddp time --baseline-steps steps after a warm-up (rank 0's wall clock, DDP's
@@ -51,6 +57,7 @@ The last line printed is one JSON object:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import itertools
 import json
@@ -211,6 +218,15 @@ def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, An
     )  # fmt: skip
     data["resources"] = {"device": "cpu", "threads": 1}
     return JobSpec.from_dict(data).to_dict()
+
+
+def serial(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with ``distribution.overlap_backward`` off: every slice sent after the whole
+    backward pass (the overlap's baseline; the same bytes, the same updates)."""
+    data = copy.deepcopy(spec)
+    data["distribution"]["overlap_backward"] = False
+    data["name"] = f"{data['name']}-serial"
+    return data
 
 
 def resnet_spec(*, n: int, width: int) -> dict[str, Any]:
@@ -459,15 +475,15 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
             for case in cases:
                 if case.name != "small_cnn" and repeat >= args.resnet_repeats:
                     continue
-                jobs = [(case.name, case.spec)]
+                jobs = [(case.name, case.spec), (f"{case.name}_serial", serial(case.spec))]
                 if case.name == "small_cnn":
-                    # Dense and top-k paired on seed = repeat, alternating which goes first.
-                    jobs = [
-                        (name, digits_spec(epochs=args.digits_epochs, compression=kind,
-                                           seed=repeat))
-                        for name, kind in (("small_cnn", "none"), ("topk", "topk"))
-                    ]  # fmt: skip
-                    jobs = jobs if repeat % 2 == 0 else jobs[::-1]
+                    # Dense, top-k and dense without the overlap paired on seed = repeat,
+                    # alternating which goes first.
+                    dense = digits_spec(epochs=args.digits_epochs, compression="none", seed=repeat)
+                    jobs = [("small_cnn", dense), ("small_cnn_serial", serial(dense)),
+                            ("topk", digits_spec(epochs=args.digits_epochs, compression="topk",
+                                                 seed=repeat))]  # fmt: skip
+                jobs = jobs if repeat % 2 == 0 else jobs[::-1]
                 for name, spec in jobs:
                     began = time.monotonic()
                     result = run_job(stack, spec)
@@ -568,7 +584,7 @@ def report(
     for column in ("job", "step (window)", "median step", *STEP_PARTS, "samples/step",
                    "steps (partial)", "rejections"):  # fmt: skip
         where.add_column(column, justify="left" if column == "job" else "right")
-    for name in [case.name for case in cases] + ["topk", "fp16", "bf16"]:
+    for name in [*job_names(cases), "topk", "fp16", "bf16"]:
         if name not in runs.jobs:
             continue
         parts = [p for p in runs.values(name, "step_parts_s") if p]  # a stalled run has none
@@ -589,20 +605,33 @@ def report(
                  "StepClose v -> the last trainer's Contribution -> StepClose v+1)")  # fmt: skip
     for column in ("job", "steps", *hop_names):
         hops.add_column(column, justify="left" if column == "job" else "right")
-    for name in [case.name for case in cases] + ["topk"]:
+    hop_medians: dict[str, dict[str, float | None]] = {}
+    for name in [*job_names(cases), "topk"]:
         found = [h for h in runs.values(name, "hops_s") if h]
         if not found:
             continue
         medians = {hop: median(h.get(hop) for h in found) for hop in hop_names}
+        hop_medians[name] = medians
         hops.add_row(name, _num(median(runs.values(name, "hop_steps")), ".0f"),
                      *(ms(medians[hop]) for hop in hop_names))  # fmt: skip
         if name != "topk":
-            prefix = "" if name == "small_cnn" else f"{name}_"
+            prefix = "" if name == "small_cnn" else f"{name.removeprefix('small_cnn_')}_"
             for hop in hop_names:
                 extras[f"{prefix}hop_{hop}_ms"] = _scaled(medians[hop], 1000)
     out.print(hops)
+    for case in cases:  # the overlap against its baseline, the same job without it
+        prefix = "" if case.name == "small_cnn" else f"{case.name}_"
+        overlapped = hop_medians.get(case.name, {})
+        baseline = hop_medians.get(f"{case.name}_serial", {})
+        extras[f"{prefix}overlap_compute_grad_send_vs_serial"] = ratio(
+            _sum(overlapped.get("compute"), overlapped.get("grad_send")),
+            _sum(baseline.get("compute"), baseline.get("grad_send")),
+        )
+        extras[f"{prefix}overlap_step_vs_serial"] = ratio(
+            overlapped.get("step"), baseline.get("step")
+        )
 
-    jobs = [name for name in (*(case.name for case in cases), "topk", "fp16", "bf16")
+    jobs = [name for name in (*job_names(cases), "topk", "fp16", "bf16")
             if name in runs.jobs]  # fmt: skip
     cpu = Table(
         title="Conveyor: CPU ms per step by process (median; waiting for a CPU in brackets)"
@@ -726,6 +755,15 @@ def report(
         bytes_reduction=bytes_reduction,
         accuracy_delta=delta,
     )
+
+
+def job_names(cases: Sequence[Case]) -> list[str]:
+    """Each case's job, then the same job without the overlap (``<case>_serial``)."""
+    return [name for case in cases for name in (case.name, f"{case.name}_serial")]
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
 
 
 def _scaled(value: float | None, factor: float) -> float | None:

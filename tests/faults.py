@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from conveyor.services.trainer.plane.sending import Computed
+from conveyor.services.trainer.plane.sending import Computed, StreamedGradient
 from conveyor.services.trainer.runner import JobRunner
 
 
@@ -28,13 +28,20 @@ class BatchComputedTwice:
         original = JobRunner._gather
         fault = self
 
-        async def gather(runner: JobRunner, wanted: int) -> tuple[list[Computed], float]:
-            computed, wait_s = await original(runner, wanted)
-            if computed and fault.batch_id is None and runner.settings.worker_id == fault.worker_id:
+        async def gather(
+            runner: JobRunner, wanted: int, patience_s: float, *, stream_last: bool = False
+        ) -> tuple[list[Computed], float, StreamedGradient | None]:
+            armed = fault.batch_id is None and runner.settings.worker_id == fault.worker_id
+            # The pass added here must go into the gradient, so the step it joins sends its
+            # slices after the backward, not during it.
+            computed, wait_s, streamed = await original(
+                runner, wanted, patience_s, stream_last=stream_last and not armed
+            )
+            if computed and armed:
                 batch = computed[0].batch
                 again = await runner._compute(runner.session.engine.accumulate, batch.x, batch.y)
                 computed.append(Computed(batch, again))
                 fault.batch_id, fault.sample_ids = batch.batch_id, list(batch.sample_ids)
-            return computed, wait_s
+            return computed, wait_s, streamed
 
         monkeypatch.setattr(JobRunner, "_gather", gather)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from loadtests import bench_aggregation as bench
+from loadtests.ddp_baseline import Case
 
 
 def test_the_step_window_starts_at_the_last_warmup_step_and_ends_at_the_last_close() -> None:
@@ -80,3 +81,20 @@ def test_the_json_ends_with_the_three_headline_figures() -> None:
         "topk_bytes_reduction": 49.9798, "topk_accuracy_delta": None,
     }  # fmt: skip
     assert json.loads(json.dumps(result)) == result
+
+
+def test_each_job_has_a_baseline_without_the_overlap_that_trains_the_same() -> None:
+    dense = bench.digits_spec(epochs=1, compression="none", seed=3)
+    baseline = bench.serial(dense)
+    assert baseline["distribution"]["overlap_backward"] is False
+    assert "overlap_backward" not in dense["distribution"] or (
+        dense["distribution"]["overlap_backward"] is None
+    )
+    del baseline["distribution"]["overlap_backward"], dense["distribution"]["overlap_backward"]
+    assert baseline["name"] == f"{dense['name']}-serial"
+    baseline["name"] = dense["name"]
+    assert baseline == dense  # only the overlap differs
+    cases = [Case("small_cnn", "", dense, 10, 1), Case("resnet18", "", dense, 2, 1)]
+    assert bench.job_names(cases) == [
+        "small_cnn", "small_cnn_serial", "resnet18", "resnet18_serial"
+    ]  # fmt: skip

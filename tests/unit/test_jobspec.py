@@ -330,12 +330,34 @@ def test_max_bad_samples_range() -> None:
             ("outer_optimizer", "nesterov"),
             "nesterov requires",
         ),
+        (
+            {"mode": "local", "sync_every_steps": 8, "overlap_backward": True},
+            ("overlap_backward",),
+            "applies to modes sync and ssp",
+        ),
     ],
 )  # fmt: skip
 def test_local_mode_rules(distribution: dict[str, Any], loc: tuple[str], fragment: str) -> None:
     [(error_loc, msg)] = errors_of(spec_with("distribution", distribution))
     assert error_loc == ("distribution", *loc)
     assert fragment in msg
+
+
+@pytest.mark.parametrize(
+    ("distribution", "overlaps"),
+    [
+        ({"mode": "sync"}, True),
+        ({"mode": "ssp"}, True),
+        ({"mode": "sync", "overlap_backward": False}, False),
+        ({"mode": "local", "sync_every_steps": 8}, False),
+        ({"mode": "local", "sync_every_steps": 8, "overlap_backward": False}, False),
+    ],
+)
+def test_the_backward_overlaps_the_send_in_sync_and_ssp_unless_turned_off(
+    distribution: dict[str, Any], overlaps: bool
+) -> None:
+    spec = JobSpec.model_validate(spec_with("distribution", distribution))
+    assert spec.distribution.overlaps_backward is overlaps
 
 
 def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -> None:

@@ -86,8 +86,13 @@ class FakeConsumer:
     def ack(self, received: Received) -> None:
         self.acked.append(received.offset)
 
+    joined_group: asyncio.Event = field(default_factory=asyncio.Event)
+
     def assignment(self) -> frozenset[tuple[str, int]]:
         return self.partitions
+
+    async def joined(self) -> None:
+        await self.joined_group.wait()
 
 
 class QueueSource:
@@ -117,7 +122,8 @@ def batch_record(offset: int, k: int, epoch: int = 0, split: str = "train") -> R
     )  # fmt: skip
 
 
-def spec(mode: str, staleness: int = 0) -> dict[str, Any]:
+def spec(mode: str, staleness: int = 0, window: int | None = None) -> dict[str, Any]:
+    local = {"sync_every_steps": window} if window is not None else {}
     return {
         "name": "steps",
         "model": {"name": "mlp", "hidden_sizes": [8]},
@@ -126,7 +132,7 @@ def spec(mode: str, staleness: int = 0) -> dict[str, Any]:
             "epochs": 1, "global_batch_size": 4, "micro_batch_size": 2,
             "optimizer": {"name": "sgd", "lr": 0.1},
         },
-        "distribution": {"aggregator_shards": 2, "mode": mode, "staleness": staleness},
+        "distribution": {"aggregator_shards": 2, "mode": mode, "staleness": staleness, **local},
         "resources": {"device": "cpu"},
     }  # fmt: skip
 
@@ -176,14 +182,24 @@ def _tailed(topic: str, message: Message) -> Tailed:
 
 
 @asynccontextmanager
-async def harness(mode: str, staleness: int = 0) -> AsyncIterator[Harness]:
+async def harness(
+    mode: str,
+    staleness: int = 0,
+    *,
+    window: int | None = None,
+    empty_wait_s: float = 0.2,
+    joined: bool = True,
+) -> AsyncIterator[Harness]:
+    """``joined``: the batches consumer has joined its group already."""
     view = JobView(
-        job_id=JOB, name="steps", spec=spec(mode, staleness), idempotency_key=None,
+        job_id=JOB, name="steps", spec=spec(mode, staleness, window), idempotency_key=None,
         submitted_at=0.0, updated_at=0.0, stage_window=8, state="planned", plan=PLAN,
     )  # fmt: skip
-    settings = TrainerSettings(worker_id=ME, empty_contribution_wait_s=0.2)
+    settings = TrainerSettings(worker_id=ME, empty_contribution_wait_s=empty_wait_s)
     session = prepare_job(view, settings, TOPICS)
     producer, consumer, source = FakeProducer(), FakeConsumer(), QueueSource()
+    if joined:
+        consumer.joined_group.set()
     compute, copy = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
     runner = JobRunner(
         session,
@@ -387,3 +403,39 @@ async def test_a_micro_batch_computed_twice_is_reported_twice(
         assert fault.batch_id == f"{JOB}:e0:train:00000:b000" and fault.sample_ids == [0, 1]
         assert doubled.batch_ids == [f"{JOB}:e0:train:00000:b000", f"{JOB}:e0:train:00000:b001"]
         assert doubled.sample_ids.tolist() == [0, 1, 2, 3, 0, 1] and doubled.num_samples == 6
+
+
+async def test_a_fresh_job_takes_no_step_before_its_batches_group_is_joined() -> None:
+    async with harness("sync", joined=False) as h:
+        h.params(0)
+        await asyncio.sleep(0.5)  # > empty_contribution_wait_s: it would have sent an empty one
+        assert h.contributions() == []
+        h.consumer.joined_group.set()
+        h.feed(0, 1)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        assert h.contributions()[0].num_samples == 4  # its first step has the data
+
+
+def other_trainers_close(version: int, ks: range, allocation: dict[str, int]) -> StepClose:
+    """Version ``version`` closed with w-b's contribution of batches ``ks`` (shard 00001)."""
+    theirs = Contribution(
+        job_id=JOB, contribution_id="w-b:0", worker_id="w-b", base_version=version - 1,
+        num_samples=2 * len(ks), batch_ids=[f"{JOB}:e0:train:00001:b{k:03d}" for k in ks],
+        epoch=0, sample_ids=sample_ids_tensor([i for k in ks for i in (100 + 2 * k, 101 + 2 * k)]),
+        loss_sum=1.0, grad_bytes=0, sent_at=0.0,
+    )  # fmt: skip
+    return close(version, [theirs], allocation)
+
+
+async def test_a_local_window_waits_for_no_batch_past_the_epochs_whole_steps() -> None:
+    """7 of the epoch's 10 batches are left for 2 trainers taking 1 each per inner step: 3
+    whole steps and a remainder that either trainer may hold. Past the 3 steps a step takes
+    what has arrived and waits for nothing (a 60 s wait here would time the test out)."""
+    async with harness("local", window=8, empty_wait_s=60.0) as h:
+        h.log(other_trainers_close(1, range(3), {ME: 1, "w-b": 1}))
+        h.feed(0, 1, 2, 3)
+        h.params(1)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [window] = h.contributions()
+        assert window.base_version == 1 and window.inner_steps == [1, 1, 1, 1]
+        assert window.batch_ids == [f"{JOB}:e0:train:00000:b{k:03d}" for k in range(4)]

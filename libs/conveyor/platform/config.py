@@ -170,6 +170,15 @@ class KafkaSettings(_FileAwareSettings):
             "then lacks on a shared machine."
         ),
     )
+    producer_metadata_idle_s: Annotated[float, Field(gt=0)] = Field(
+        default=120.0,
+        description=(
+            "A producer stops tracking the metadata of a topic it has not sent to for this "
+            "long (a finished job's, deleted by the sharder); a later send tracks it again. "
+            "aiokafka otherwise asks for every topic it ever sent to at each metadata refresh "
+            "and logs an error for each deleted one, more with every job."
+        ),
+    )
     replication_factor: Annotated[int, Field(ge=1)] = 1
 
     @field_validator("bootstrap")

@@ -110,23 +110,39 @@ class ParamLayout:
 
     def flatten_params(self, model: nn.Module) -> torch.Tensor:
         """fp32 [N] copy of the parameters and statistics, on the parameters' device."""
-        return self._flatten([tensor.detach() for tensor in self._tensors(model)])
+        return self._flatten([tensor.detach() for tensor in self.tensors(model)])
 
-    def flatten_grads(self, model: nn.Module, num_samples: int | None = None) -> torch.Tensor:
-        """fp32 [N]: the gradients (zeros where a parameter has none) and, at the statistics,
-        their current values times ``num_samples`` (the samples of the summed gradient, so
-        that dividing the sum over trainers by the step's samples averages them). ValueError
-        when the layout has statistics and ``num_samples`` is not given."""
+    def flatten_grads(
+        self,
+        model: nn.Module,
+        num_samples: int | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> torch.Tensor:
+        """fp32 [stop - start]: elements ``[start, stop)`` (default: all N) of the flat vector
+        of the gradients (zeros where a parameter has none) and, at the statistics, their
+        current values times ``num_samples`` (the samples of the summed gradient, so that
+        dividing the sum over trainers by the step's samples averages them). ValueError when
+        the layout has statistics and ``num_samples`` is not given, or for a range outside
+        ``[0, N]``."""
         if num_samples is None and self.has_statistics:
             raise ValueError("a layout with statistics needs the step's num_samples")
+        stop = self.numel if stop is None else stop
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"range [{start}, {stop}) lies outside [0, {self.numel}]")
         parts: list[torch.Tensor] = []
-        for entry, tensor in zip(self.entries, self._tensors(model), strict=True):
+        for entry, tensor in zip(self.entries, self.tensors(model), strict=True):
+            lo, hi = max(entry.offset, start), min(entry.offset + entry.numel, stop)
+            if lo >= hi:
+                continue
             if entry.statistic:
-                parts.append(tensor.detach().to(torch.float32) * float(num_samples or 0))
+                value = tensor.detach().to(torch.float32) * float(num_samples or 0)
             elif tensor.grad is not None:
-                parts.append(tensor.grad.detach())
+                value = tensor.grad.detach()
             else:
-                parts.append(torch.zeros_like(tensor))
+                value = torch.zeros_like(tensor)
+            parts.append(value.reshape(-1)[lo - entry.offset : hi - entry.offset])
         return self._flatten(parts)
 
     @torch.no_grad()
@@ -135,11 +151,13 @@ class ParamLayout:
         statistics."""
         if flat.dim() != 1 or flat.numel() != self.numel:
             raise ValueError(f"flat vector has shape {list(flat.shape)}, expected [{self.numel}]")
-        for entry, tensor in zip(self.entries, self._tensors(model), strict=True):
+        for entry, tensor in zip(self.entries, self.tensors(model), strict=True):
             part = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
             tensor.copy_(part)
 
-    def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
+    def tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """The tensors of ``model`` in layout order (its parameters, then its floating-point
+        buffers). ValueError when they do not match the layout."""
         state = _state(model)
         if len(state) != len(self.entries) or any(
             name != entry.name or tuple(tensor.shape) != entry.shape

@@ -110,6 +110,7 @@ class Consumer(AsyncLifecycle):
         self._paused = False
         self._resting = False
         self._capacity = asyncio.Event()
+        self._joined = asyncio.Event()
         self._get_lock = asyncio.Lock()
         self._next_commit_at = 0.0
         self._runs_idle = asyncio.Event()
@@ -203,6 +204,12 @@ class Consumer(AsyncLifecycle):
             return
         self._resting = resting
         self._apply_pause()
+
+    async def joined(self) -> None:
+        """Until this member received its first assignment (possibly empty: the group joined).
+        Before it nothing can be delivered; the join completes in the background after
+        :meth:`start`."""
+        await self._joined.wait()
 
     def assignment(self) -> frozenset[TopicPartition]:
         """Partitions currently assigned to this member (empty before the first join)."""
@@ -502,6 +509,7 @@ class Consumer(AsyncLifecycle):
 
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._in_flight.assign(assigned)
+        self._joined.set()
         for tp in assigned:
             self._holes.forget(tp)
         # A new assignment starts unpaused; keep the bound if handlers still hold records.

@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
 """Longest the heartbeat before a LeaveGroup may take."""
-LEAVE_TIMEOUT_S = 3.0
-"""Longest a LeaveGroup may take."""
+LEAVE_TIMEOUT_S = 4.0
+"""Longest leaving a group may take: the probe, closing the coordinator, the LeaveGroup."""
 
 
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -38,15 +38,17 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     """Stop ``consumer`` and leave the group, so that its partitions move at once, unless
-    another member is joining right now. Bounded: the LeaveGroup gets
-    :data:`LEAVE_TIMEOUT_S`, after which the broker drops the member at its session timeout.
+    another member is joining right now. Bounded: leaving gets :data:`LEAVE_TIMEOUT_S`, after
+    which the broker drops the member at its session timeout.
 
     aiokafka sends LeaveGroup only when the generation is > 0, but Tansu numbers a group's
     first generation 0; its members would hold their partitions until their session timed
-    out. And aiokafka's LeaveGroup waits for the whole request timeout (30 s) when the broker
-    holds it, longer than a service's stop may take (Tansu held one during a rebalance). So
-    the request is sent here for every generation (aiokafka 0.14 internals; the version is
-    pinned), after the coordinator stopped heartbeating and before the connection closes.
+    out. And aiokafka's stop is unbounded: it awaits its coordination task, which can sit in
+    a JoinGroup that the broker holds (Tansu held one until the session timeout of a member
+    that had left without LeaveGroup, below), then a LeaveGroup that may wait the whole
+    request timeout (30 s); a service's stop may take 10 s. So the request is sent here for
+    every generation (aiokafka 0.14 internals; the version is pinned), after the coordinator
+    stopped heartbeating and before the connection closes, and the whole leave is bounded.
 
     Tansu 0.6 wedges a group for good when its generation-0 leader leaves while another
     member's JoinGroup is pending: every later join names the departed member as leader and
@@ -58,24 +60,39 @@ async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     timeout (and their own stops with them), and no wedge was seen past generation 0.
     """
     coordinator = getattr(consumer, "_coordinator", None)
+    try:
+        async with asyncio.timeout(LEAVE_TIMEOUT_S):
+            await _leave(coordinator, group_id)
+    except TimeoutError:
+        logger.warning(
+            "group %s: leaving took over %.0fs; the broker drops this member at its session "
+            "timeout", group_id, LEAVE_TIMEOUT_S,
+        )  # fmt: skip
+        heartbeat = getattr(coordinator, "_heartbeat_task", None)
+        if heartbeat is not None:
+            heartbeat.cancel()  # the cut-short close did not get to it
+    await consumer.stop()  # the coordinator is closed (or cancelled): connections close
+
+
+async def _leave(coordinator: Any, group_id: str) -> None:
+    """Close ``coordinator`` without aiokafka's own LeaveGroup and send ours (see above)."""
     member_id = getattr(coordinator, "member_id", "")
     generation = getattr(coordinator, "generation", -1)
-    if coordinator is not None and generation >= 0 and member_id:
-        rebalancing = generation == 0 and await _rebalancing(coordinator, group_id, member_id)
-        if rebalancing:
-            logger.info(
-                "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
-                group_id,
-            )
-        coordinator.generation = -1  # what a member that never joined has: no aiokafka leave
-        await coordinator.close()  # idempotent: consumer.stop() calls it again
-        if not rebalancing:
-            leave = coordinator._send_req(LeaveGroupRequest(group_id, member_id))
-            try:
-                await asyncio.wait_for(leave, LEAVE_TIMEOUT_S)
-            except (KafkaError, TimeoutError) as exc:
-                logger.warning("group %s: LeaveGroup failed: %r", group_id, exc)
-    await consumer.stop()
+    if coordinator is None or generation < 0 or not member_id:
+        return
+    rebalancing = generation == 0 and await _rebalancing(coordinator, group_id, member_id)
+    if rebalancing:
+        logger.info(
+            "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
+            group_id,
+        )
+    coordinator.generation = -1  # what a member that never joined has: no aiokafka leave
+    await coordinator.close()  # idempotent: consumer.stop() calls it again
+    if not rebalancing:
+        try:
+            await coordinator._send_req(LeaveGroupRequest(group_id, member_id))
+        except KafkaError as exc:
+            logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
 
 
 async def _rebalancing(coordinator: Any, group_id: str, member_id: str) -> bool:

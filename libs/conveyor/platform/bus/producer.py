@@ -51,6 +51,9 @@ class Producer(AsyncLifecycle):
         self._limits = limits or CodecLimits(max_message_bytes=settings.max_message_bytes)
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self._producer: AIOKafkaProducer | None = None
+        self._sent_at: dict[str, float] = {}
+        """Topic -> monotonic time of its last send: the topics whose metadata is tracked."""
+        self._pruned_at = time.monotonic()
 
     @property
     def settings(self) -> KafkaSettings:
@@ -150,6 +153,7 @@ class Producer(AsyncLifecycle):
             if isinstance(exc, KafkaError):
                 raise from_kafka_error(exc, f"send to {topic}") from exc
             raise
+        self._track(topic, producer)
         result: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
         ack.add_done_callback(
             partial(
@@ -163,6 +167,24 @@ class Producer(AsyncLifecycle):
             )
         )
         return result
+
+    def _track(self, topic: str, producer: AIOKafkaProducer) -> None:
+        """Note a send to ``topic``; now and then, stop tracking the metadata of the topics
+        idle for ``producer_metadata_idle_s`` (aiokafka adds a topic back on its next send).
+        Never all of them: an empty set would ask the broker for every topic."""
+        now = time.monotonic()
+        self._sent_at[topic] = now
+        idle_s = self._settings.producer_metadata_idle_s
+        if now - self._pruned_at < idle_s / 4:
+            return
+        self._pruned_at = now
+        idle = [t for t, at in self._sent_at.items() if now - at > idle_s]
+        if idle:
+            for name in idle:
+                del self._sent_at[name]
+            # A subset of the tracked topics: no metadata request, only the set shrinks.
+            producer.client.set_topics(list(self._sent_at))
+            logger.debug("stopped tracking the metadata of %d idle topics", len(idle))
 
     async def flush(self) -> None:
         """Send everything queued now and wait until the broker answered for it."""

@@ -108,8 +108,10 @@ class Contribution(Message):
     started_at: float | None = None
     """When the step began: ``base_version`` loaded into the model, gathering starts."""
     computed_at: float | None = None
-    """When the gradient (local mode: the delta) was computed and encoded, before its first
-    GradSlice went out; ``sent_at`` is stamped once every GradSlice is acknowledged."""
+    """When the gradient (local mode: the delta) was computed and encoded: before its first
+    GradSlice went out, or, where slices leave during the last backward pass
+    (``overlap_backward``), once every slice was handed to the producer; ``sent_at`` is
+    stamped once every GradSlice is acknowledged."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 0 or self.epoch < 0:

@@ -70,6 +70,13 @@ class DistributionSpec(_Spec):
     split equally and the batches are spread over the partitions equally (each trainer reads
     an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    overlap_backward: bool | None = Field(default=None, validate_default=True)
+    """sync and ssp: during the backward pass of a step's last micro-batch, each gradient
+    slice is encoded and sent as soon as the pass has completed it (DDP-style buckets; the
+    layers nearest the loss come first, so the last slices leave while the first are still
+    being computed); false: the whole backward, then every slice. The bytes sent are the same
+    either way. None: on in sync and ssp. local mode refuses true (its delta exists only after
+    the window's optimizer steps)."""
     deterministic: bool = False
     """Bit-exact training: the same spec gives the same parameters and per-step losses, run
     straight through or resumed after any number of kills. The trainer takes each step's
@@ -103,6 +110,24 @@ class DistributionSpec(_Spec):
                 "in the trainer and is lost when it is killed (none, fp16 or bf16 can)"
             )
         return deterministic
+
+    @field_validator("overlap_backward")
+    @classmethod
+    def _overlap_needs_gradients(cls, overlap: bool | None, info: ValidationInfo) -> bool | None:
+        if overlap and info.data.get("mode") == "local":
+            raise ValueError(
+                "overlap_backward applies to modes sync and ssp: local mode sends its parameter "
+                "delta after the window's optimizer steps, not during a backward pass"
+            )
+        return overlap
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether a step's slices are sent during its last backward pass (``overlap_backward``,
+        None: yes in sync and ssp)."""
+        if self.overlap_backward is not None:
+            return self.overlap_backward
+        return self.mode != "local"
 
     @field_validator("min_trainers")
     @classmethod

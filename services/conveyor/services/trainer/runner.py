@@ -13,8 +13,8 @@ Reads as the loop it runs::
             job waits for its step's micro-batches instead, taken in plan order)
         local mode: take an inner optimizer step, gather again, for sync_every_steps steps
         flat gradient (local: the window's weighted parameter delta) -> K slices -> encode ->
-            send all GradSlices, await acks -> Contribution (its batch ids, and the sample ids
-            of every forward/backward it ran)
+            send all GradSlices (sync, ssp: each as the last backward completes it), await
+            acks -> Contribution (its batch ids, the sample ids of every pass it ran)
     then evaluate what still comes, until the job is terminal (the service cancels us)
 
 What the control log says drives everything else (:meth:`JobRunner._on_control`): a StepClose
@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -64,7 +65,7 @@ from conveyor.services.trainer.plane.endpoint import PlaneEndpoint
 from conveyor.services.trainer.plane.gradients import EncodedGrad
 from conveyor.services.trainer.plane.outstanding import Pending
 from conveyor.services.trainer.plane.param_traces import ParamTraces
-from conveyor.services.trainer.plane.sending import Computed, StepStamps
+from conveyor.services.trainer.plane.sending import Computed, StepStamps, StreamedGradient
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 from conveyor.services.trainer.reporting.metrics import TrainerMetrics
 from conveyor.services.trainer.reporting.reporter import Reporter
@@ -330,8 +331,11 @@ class JobRunner:
             # Each ssp contribution is a step of its own, and nothing would end a turn of 0
             # (sync answers it with an empty contribution and waits for the close).
             wanted = max(1, wanted)
+        streamed: StreamedGradient | None = None
         if engine.inner is None:
-            computed, wait_s = await self._gather(wanted)
+            overlap = spec.distribution.overlaps_backward
+            patience_s = self.settings.empty_contribution_wait_s
+            computed, wait_s, streamed = await self._gather(wanted, patience_s, stream_last=overlap)
             inner_steps: list[int] = []
         else:
             computed, wait_s, inner_steps = await self._window(wanted, base)
@@ -341,18 +345,17 @@ class JobRunner:
                 plane.outstanding.add(pending)
                 self.figures.empty_sent()
             return
-        samples = sum(c.result.samples for c in computed)
-        make = engine.gradient if engine.inner is None else engine.delta
-        encoded, encode_s = await self._compute(make, samples)
+        if streamed is None:
+            make = engine.gradient if engine.inner is None else engine.delta
+            encoded, encode_s = await self._compute(make, sum(c.result.samples for c in computed))
+            outgoing = plane.sender.start(base, [c.batch for c in computed])
+        else:
+            outgoing, encoded, encode_s = streamed.outgoing, streamed.encoded, streamed.encode_s
         published_at, received_at = self._loaded_stamps
-        stamps = StepStamps(
-            params_published_at=published_at,
-            params_received_at=received_at,
-            started_at=started_at,
-            computed_at=time.time(),
-        )
-        pending, grad_send_s = await plane.sender.send(
-            base, computed, encoded, inner_steps=inner_steps, stamps=stamps
+        stamps = StepStamps(params_published_at=published_at, params_received_at=received_at,
+                            started_at=started_at, computed_at=time.time())  # fmt: skip
+        pending, grad_send_s = await outgoing.finish(
+            computed, encoded, inner_steps=inner_steps, stamps=stamps
         )
         plane.outstanding.add(pending)
         self.figures.contribution_sent(
@@ -366,17 +369,17 @@ class JobRunner:
         )
 
     async def _window(self, wanted: int, base: int) -> tuple[list[Computed], float, list[int]]:
-        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches each
-        on the loaded version ``base``; ends early when a step finds fewer (the epoch's data
-        ran out, or none arrived in time). Returns the passes, the seconds waited for data and
-        the passes of each inner step."""
-        inner = self.session.engine.inner
+        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches on
+        ``base``, ending at one that finds fewer (past ``inner.waiting_steps``: waits for none)."""
+        inner, control = self.session.engine.inner, self.plane.control
         assert inner is not None
+        waiting = inner.waiting_steps(control.train_left(control.current_epoch))
         computed: list[Computed] = []
         inner_steps: list[int] = []
         wait_s = 0.0
         for index in range(inner.window):
-            step, waited = await self._gather(wanted, [c.batch for c in computed])
+            patience_s = self.settings.empty_contribution_wait_s if index < waiting else 0.0
+            step, waited, _ = await self._gather(wanted, patience_s, [c.batch for c in computed])
             wait_s += waited
             if not step:
                 break
@@ -390,18 +393,20 @@ class JobRunner:
         return computed, wait_s, inner_steps
 
     async def _gather(
-        self, wanted: int, held: list[ReadyBatch] | None = None
-    ) -> tuple[list[Computed], float]:
-        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes;
-        stops early when none arrives within ``empty_contribution_wait_s`` (a deterministic job
-        waits, and takes them in plan order, each with its own seed). ``held``: batches
-        this contribution already computed (earlier inner steps of a local window). Returns the
-        passes computed (one per forward/backward) and the seconds waited for data."""
-        intake, spec = self.intake, self.session.spec
+        self, wanted: int, patience_s: float, held: list[ReadyBatch] | None = None,
+        *, stream_last: bool = False,
+    ) -> tuple[list[Computed], float, StreamedGradient | None]:  # fmt: skip
+        """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes; stops
+        early when none arrives within ``patience_s`` (a deterministic job waits, and takes them
+        in plan order, each with its own seed). ``held``: batches computed for this contribution
+        before (local mode's earlier inner steps); ``stream_last``: the ``wanted``-th pass sends
+        the slices as its backward completes them. Returns passes, seconds waited, the stream."""
+        intake, spec, engine = self.intake, self.session.spec, self.session.engine
         deterministic = spec.distribution.deterministic
         computed: list[Computed] = []
         earlier = held or []
         wait_s = 0.0
+        streamed: StreamedGradient | None = None
         while len(computed) < wanted and not self._training_over():
             intake.drop_revoked()
             await self._evaluate_ready()
@@ -409,33 +414,26 @@ class JobRunner:
             self.figures.batches_dropped(dropped, "applied elsewhere")
             if item is None:
                 gathered = earlier + [c.batch for c in computed]
-                if gathered and self._epoch_in_hand(gathered):
+                if gathered and self.plane.epoch_in_hand(gathered):
                     break  # the rest of the epoch is here: waiting would only stall the step
-                received, waited = await intake.receive(self.settings.empty_contribution_wait_s)
+                received, waited = await intake.receive(patience_s)
                 wait_s += waited
                 if not received and not deterministic:
                     break
                 continue  # deterministic: a partial step would change the step's sums
             seed = batch_seed(spec.training.seed, item.batch_id) if deterministic else None
-            result = await self._compute(
-                self.session.engine.accumulate, item.x, item.y, seed, span=item
-            )
+            if stream_last and len(computed) + 1 == wanted:  # the step's last pass
+                samples = sum(c.result.samples for c in computed) + int(item.y.shape[0])
+                result, streamed = await self.plane.sender.stream(
+                    self.loaded_version, [c.batch for c in computed] + [item],
+                    partial(self._compute, engine.accumulate_streamed, item.x, item.y, seed,
+                            samples, span=item),
+                )  # fmt: skip
+            else:
+                result = await self._compute(engine.accumulate, item.x, item.y, seed, span=item)
             self.figures.batch_done(item, result)
             computed.append(Computed(item, result))
-        return computed, wait_s
-
-    def _epoch_in_hand(self, gathered: list[ReadyBatch]) -> bool:
-        """Every train batch of the current epoch not applied yet is ``gathered`` for this
-        step or in this trainer's outstanding contributions, so no other can arrive for it
-        (an epoch whose count is not a multiple of the step would otherwise wait
-        ``empty_contribution_wait_s`` at its end for a batch that does not exist)."""
-        control = self.plane.control
-        epoch = control.current_epoch
-        outstanding = sum(
-            1 for pending in self.plane.outstanding for batch in pending.batches
-            if batch.epoch == epoch
-        )  # fmt: skip
-        return control.train_left(epoch) <= len(gathered) + outstanding
+        return computed, wait_s, streamed
 
     # -- evaluation ---------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ delta (:mod:`conveyor.services.trainer.compute.inner`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch.nn import functional as F
 
 from conveyor.services.trainer.compute.inner import InnerOptimizer, weighted_delta
 from conveyor.services.trainer.plane.gradients import EncodedGrad, SliceEncoder
+from conveyor.services.trainer.plane.streaming import BackwardSlices, SliceReady
 from conveyor.training.jobspec import NormalizeSpec, ResourcesSpec
 from conveyor.training.slicing import ParamLayout
 
@@ -184,6 +186,32 @@ class Engine:
         loss_sum, correct = loss_and_correct.detach().tolist()  # one device synchronisation
         self._simulate_slower_device()
         return MicroResult(loss_sum, int(correct), int(y.shape[0]), time.perf_counter() - started)
+
+    def accumulate_streamed(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        seed: int | None,
+        num_samples: int,
+        ready: SliceReady,
+    ) -> tuple[MicroResult, EncodedGrad, float]:
+        """A step's last micro-batch: :meth:`accumulate`, with each slice of the step's
+        gradient (``num_samples`` samples, this batch's included) encoded and handed to
+        ``ready`` as soon as the backward pass has completed it
+        (:class:`~conveyor.services.trainer.plane.streaming.BackwardSlices`), the others when
+        the pass has ended; then :meth:`gradient`'s result without its work. Returns the pass
+        (its ``compute_s`` without the encoding), the encoded gradient, the seconds spent
+        encoding."""
+        started = time.perf_counter()
+        slices = BackwardSlices(
+            self.model, self.layout, self.encoder, num_samples=num_samples, ready=ready
+        )
+        with slices.armed():
+            result = self.accumulate(x, y, seed)
+        encoded = slices.finish()
+        self.model.zero_grad(set_to_none=True)
+        compute_s = time.perf_counter() - started - slices.encode_s
+        return dataclasses.replace(result, compute_s=compute_s), encoded, slices.encode_s
 
     def gradient(self, num_samples: int) -> tuple[EncodedGrad, float]:
         """The gradient accumulated over ``num_samples`` samples, flattened, sliced and encoded

@@ -33,6 +33,7 @@ class InnerOptimizer:
         if window is None:
             raise ValueError("an inner optimizer needs distribution.sync_every_steps (local mode)")
         self.window = window
+        self._micro_batches_per_step = spec.micro_batches_per_step
         self._model = model
         self._training = spec.training
         self._optimizer = build_optimizer(spec.training.optimizer, model.parameters())
@@ -48,6 +49,10 @@ class InnerOptimizer:
         training = self._training
         step = version * self.window + index
         return lr_at(training.lr_schedule, training.optimizer.lr, step, self.total_steps)
+
+    def waiting_steps(self, train_left: int) -> int:
+        """:func:`waiting_steps` of a window at this job's micro-batches per step."""
+        return waiting_steps(train_left, self._micro_batches_per_step)
 
     def step(self, num_samples: int, lr: float) -> None:
         """One optimizer step on the gradient accumulated over ``num_samples`` samples (>= 1),
@@ -66,3 +71,17 @@ def weighted_delta(base: torch.Tensor, local: torch.Tensor, num_samples: int) ->
     """fp32 [N]: ``(base - local) * num_samples``, a window's parameter delta weighted by its
     samples (what a contribution sends in place of a summed gradient)."""
     return (base - local) * float(num_samples)
+
+
+def waiting_steps(train_left: int, micro_batches_per_step: int) -> int:
+    """How many inner steps of a window may wait for a batch to arrive: as many as the
+    epoch's train batches not applied yet (``train_left``, counted at the window's start, when
+    every earlier window is decided) fill whole for the pool, at least 1. A later step takes
+    the batches that have arrived and waits for none: the epoch's remainder is some trainers'
+    and not others', which a trainer cannot tell inside a window, so each waited
+    ``empty_contribution_wait_s`` at every epoch's end for a batch that did not exist. A batch
+    such a step leaves goes into the next window. At least 1: a window whose data is late
+    waits for it rather than turn into a run of empty versions."""
+    if micro_batches_per_step < 1:
+        raise ValueError(f"micro_batches_per_step must be >= 1, got {micro_batches_per_step}")
+    return max(1, train_left // micro_batches_per_step)

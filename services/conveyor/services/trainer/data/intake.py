@@ -12,6 +12,7 @@ another trainer takes its waiting batches with it: they are dropped here, unackn
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
@@ -101,6 +102,28 @@ class BatchIntake:
         self._consumer = consumer
         self._prefetch = prefetch
 
+    async def joined(self) -> None:
+        """Wait until the consumer joined the job's group (its first assignment, possibly
+        empty), at most the group's session timeout (a join takes less on any broker).
+
+        A fresh job's trainers wait for it in their first step's gathering: until then no
+        batch can arrive, and each step would be an empty contribution, a version without
+        samples that still counts toward ``max_steps``, ``checkpoint.every_steps``, local
+        mode's inner learning-rate schedule and the job's samples/s (the embedded broker
+        completes a join after half the session timeout: ~20 empty versions of the digits
+        demo). A trainer that joins a job past version 0 contributes empty steps meanwhile, as
+        the others are training."""
+        consumer = self._consumer
+        assert consumer is not None, "open() first"
+        try:
+            async with asyncio.timeout(self._kafka.session_timeout_s):
+                await consumer.joined()
+        except TimeoutError:
+            logger.warning(
+                "job %s: not in the batches group after %.0f s; stepping anyway",
+                self._session.job_id, self._kafka.session_timeout_s,
+            )  # fmt: skip
+
     def let_go(self) -> None:
         """Stop using the consumer (it is about to leave): nothing more is acknowledged and no
         partition counts as owned."""
@@ -109,9 +132,13 @@ class BatchIntake:
     async def receive(
         self, timeout_s: float | None, *, count_wait: bool = True
     ) -> tuple[bool, float]:
-        """Take one delivered batch and place it; (False, waited) when none came in time."""
+        """Take one delivered batch and place it; (False, waited) when none came in time. In a
+        fresh job (version 0) it first waits until this trainer joined the batches group
+        (:meth:`joined`), which does not count as waiting for data."""
         prefetch = self._prefetch
         assert prefetch is not None
+        if self._control.version == 0:
+            await self.joined()
         item, waited = await prefetch.get(timeout_s)
         if count_wait and self._waited_once:  # the wait for the very first batch is start-up
             self._figures.data_waited(waited)

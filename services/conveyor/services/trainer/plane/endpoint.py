@@ -64,6 +64,19 @@ class PlaneEndpoint:
         self._control_topic = plan.control_topic
         self._params_topic = session.params_topic
 
+    def epoch_in_hand(self, gathered: list[ReadyBatch]) -> bool:
+        """Every train batch of the current epoch not applied yet is ``gathered`` for this
+        step or in this trainer's outstanding contributions, so no other can arrive for it
+        (an epoch whose count is not a multiple of the step would otherwise wait
+        ``empty_contribution_wait_s`` at its end for a batch that does not exist)."""
+        control = self.control
+        epoch = control.current_epoch
+        outstanding = sum(
+            1 for pending in self.outstanding for batch in pending.batches
+            if batch.epoch == epoch
+        )  # fmt: skip
+        return control.train_left(epoch) <= len(gathered) + outstanding
+
     @asynccontextmanager
     async def readers(self) -> AsyncIterator[tuple[TopicTail, TopicTail]]:
         """The control log's reader (from its first record: a replay) and the params topic's

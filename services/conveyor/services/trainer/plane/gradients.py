@@ -95,16 +95,52 @@ class SliceEncoder:
         ``num_samples`` samples; the slices are on the CPU."""
         if flat_grad.dim() != 1 or flat_grad.numel() != (self.bounds[-1][1] if self.bounds else 0):
             raise ValueError(f"gradient of shape {list(flat_grad.shape)} does not fit the layout")
+        parts = [
+            self.encode_part(p, flat_grad[start:stop], num_samples)
+            for p, (start, stop) in enumerate(self.bounds)
+        ]
+        return self.join(parts, num_samples)
+
+    def encode_part(
+        self, index: int, grad_slice: torch.Tensor, num_samples: int
+    ) -> tuple[EncodedSlice, torch.Tensor | None]:
+        """Encode slice ``index`` alone: fp32 [stop - start] ``grad_slice`` (any device) of the
+        gradient of ``num_samples`` samples. Returns the slice (on the CPU) and, with error
+        feedback, its input to the feedback (what :meth:`join` keeps for :meth:`undo`). The
+        same bytes as the slice of :meth:`encode`, whatever order the slices are encoded in
+        (each slice's residual and velocity are its own)."""
+        start, stop = self.bounds[index]
+        if grad_slice.dim() != 1 or grad_slice.numel() != stop - start:
+            raise ValueError(
+                f"slice {index} of shape {list(grad_slice.shape)} does not fit [{start}, {stop})"
+            )
         feedback = self._feedback
         if feedback is None:
-            cpu = flat_grad.detach().to("cpu", torch.float32)
-            return EncodedGrad(
-                [encode_slice(cpu[start:stop], self.encoding) for start, stop in self.bounds]
-            )
-        scale = float(max(1, num_samples)) if feedback.momentum else 1.0
-        inputs = [flat_grad[start:stop].detach() / scale for start, stop in self.bounds]
-        slices = [feedback.encode(p, grad, scale=scale) for p, grad in enumerate(inputs)]
-        return EncodedGrad(slices, inputs if feedback.error_feedback else None, scale)
+            return encode_slice(grad_slice, self.encoding), None
+        grad = grad_slice.detach() / self._scale(num_samples)
+        part = feedback.encode(index, grad, scale=self._scale(num_samples))
+        return part, grad if feedback.error_feedback else None
+
+    def join(
+        self, parts: Sequence[tuple[EncodedSlice, torch.Tensor | None]], num_samples: int
+    ) -> EncodedGrad:
+        """One step's gradient from its K slices encoded by :meth:`encode_part`, slice p at
+        index p."""
+        if len(parts) != len(self.bounds):
+            raise ValueError(f"{len(parts)} slices for a layout of {len(self.bounds)}")
+        slices = [part for part, _ in parts]
+        if self._feedback is None:
+            return EncodedGrad(slices)
+        inputs = [grad for _, grad in parts if grad is not None]
+        assert len(inputs) == (len(parts) if self._feedback.error_feedback else 0)
+        feedback_inputs = inputs if self._feedback.error_feedback else None
+        return EncodedGrad(slices, feedback_inputs, self._scale(num_samples))
+
+    def _scale(self, num_samples: int) -> float:
+        """Momentum correction keeps its state in per-sample-mean units: a step's input is its
+        summed gradient divided by this, and what it sends is multiplied back."""
+        feedback = self._feedback
+        return float(max(1, num_samples)) if feedback is not None and feedback.momentum else 1.0
 
     def undo(self, encoded: EncodedGrad) -> None:
         """A contribution encoded with error feedback was rejected: nothing it sent was
