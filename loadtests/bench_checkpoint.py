@@ -97,8 +97,8 @@ from conveyor.training.checkpoint import (
     Manifest,
     SliceFile,
     SliceState,
-    encode_slice,
 )
+from conveyor.training.checkpoint.slicefile import encode_slice
 from loadtests._bench_common import ConveyorStack, JobWatcher, Progress, Window, window_after
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from conveyor.platform.bus import (
     read_last,
 )
 from conveyor.platform.config import KafkaSettings
-from conveyor.platform.messages import Heartbeat
+from conveyor.platform.messages import CheckpointRequest, Heartbeat
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,3 +99,21 @@ async def test_a_paused_tail_sends_no_fetches_and_catches_up_on_resume(
         records = await drain(tail, 2, timeout_s=5.0)
         assert [r.offset for r in records] == [1, 2]
         assert [r.message.state.epoch for r in records] == [1, 2]  # type: ignore[attr-defined]
+
+
+async def test_a_tail_of_some_types_passes_the_others_over(kafka_settings: KafkaSettings) -> None:
+    topic = f"{kafka_settings.topic_prefix}tail-types"
+    await ensure_topics(kafka_settings, [TopicSpec(topic, partitions=1)])
+    request = CheckpointRequest(job_id="j", reason="every_s", requested_at=1.0)
+    async with Producer(kafka_settings) as producer:
+        await producer.publish(topic, beat("a", 0))
+        await producer.publish(topic, request)
+        await producer.publish(topic, beat("a", 1))
+        await producer.send_raw(topic, b"not a message")
+    async with TopicTail(kafka_settings, topic, types=[CheckpointRequest]) as tail:
+        records: list[Tailed] = []
+        async with asyncio.timeout(10):
+            while not tail.caught_up:
+                records += await tail.get_many(0.2)
+        assert [(r.offset, r.message) for r in records] == [(1, request)]
+        assert tail.position(0) == 4  # past the heartbeats and the undecodable record

@@ -18,12 +18,11 @@ from conveyor.training.checkpoint import (
     Manifest,
     SliceFile,
     SliceState,
-    decode_slice,
-    encode_slice,
     latest_key,
     manifest_key,
     slice_key,
 )
+from conveyor.training.checkpoint.slicefile import decode_slice, encode_slice
 from conveyor.training.jobspec import OptimizerSpec
 from conveyor.training.optim import SliceOptimizer
 

@@ -37,6 +37,7 @@ from conveyor.platform.codec import (
     UnsupportedVersion,
     decode,
     encode,
+    message_type,
 )
 from conveyor.platform.messages import Batch, Message, ShardTask, message
 
@@ -332,3 +333,31 @@ def test_mutated_messages_fail_only_with_codec_errors() -> None:
             outcome = type(exc).__name__
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert outcomes["decoded"] > 0 and outcomes["MalformedMessage"] > 0
+
+
+def test_message_type_names_the_type_from_the_header_alone() -> None:
+    data = encode(sample())
+    assert message_type(data) == Sample.TYPE
+    assert message_type(bytearray(data)[: PREFIX_BYTES + 40]) == Sample.TYPE  # the rest unread
+    assert message_type(packed({"v": 1, "type": "tests.codec.Unknown"})) == (
+        "tests.codec.Unknown"  # known or not is decode's to say
+    )
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x05\x00",
+        packed([1, "tests.codec.Sample"]),  # not a map
+        packed({"type": "tests.codec.Sample", "v": 1}),  # not the encoder's order
+        packed({"v": 1, "type": 7}),
+        packed({"v": 1}),
+        framed(b"\xc1"),  # a byte msgpack never uses
+        packed({"v": msgpack.ExtType(1, b"x"), "type": "tests.codec.Sample"}),
+    ],
+)
+def test_message_type_is_none_for_what_does_not_start_like_a_message(data: bytes) -> None:
+    assert message_type(data) is None
+    with pytest.raises(CodecError):
+        decode(data)

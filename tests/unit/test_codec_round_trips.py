@@ -26,7 +26,8 @@ from codec_cases import (
 )
 from heartbeats import heartbeat
 
-from conveyor.platform.codec import ALIGN_BYTES, DTYPES, PREFIX_BYTES, decode, encode
+from conveyor.platform.codec import ALIGN_BYTES, PREFIX_BYTES, decode, encode
+from conveyor.platform.codec.tensors import DTYPES
 from conveyor.platform.messages import (
     Batch,
     CoordinatorProgress,

@@ -42,9 +42,8 @@ from conveyor.training.checkpoint import (
     JobProgress,
     Manifest,
     SliceState,
-    decode_slice,
-    encode_slice,
 )
+from conveyor.training.checkpoint.slicefile import decode_slice, encode_slice
 from conveyor.training.jobview import JobsView
 from conveyor.training.plan import JobPlan
 

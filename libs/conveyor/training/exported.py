@@ -14,12 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from safetensors.torch import load as load_tensors
-from torch import nn
-
-from conveyor.training.models import build_model
+if TYPE_CHECKING:
+    from torch import nn
 
 MODEL_FILES = ("model.safetensors", "config.json", "losses.json")
 """The files of an exported model, weights first (``config.json`` names their sha256 and the
@@ -30,6 +28,12 @@ def load_model(directory: str | Path) -> nn.Module:
     """The exported model with its trained weights, in eval mode, on the CPU. ValueError when
     the files do not match (checksum, shapes) or name a model this installation lacks;
     OSError when they cannot be read."""
+    # Here, not at the top: the gateway imports this module for MODEL_FILES alone and never
+    # loads torch.
+    from safetensors.torch import load as load_tensors
+
+    from conveyor.training.models import build_model
+
     root = Path(directory)
     config: dict[str, Any] = json.loads((root / MODEL_FILES[1]).read_text())
     weights = (root / MODEL_FILES[0]).read_bytes()

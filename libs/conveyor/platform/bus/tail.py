@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,7 +25,7 @@ from conveyor.platform.bus.holes import HOLE_RETRY_S, HoleGuard
 from conveyor.platform.bus.metrics import topic_kind, topic_metrics
 from conveyor.platform.bus.options import consumer_options
 from conveyor.platform.bus.tracing import extract_context
-from conveyor.platform.codec import CodecError, CodecLimits, decode
+from conveyor.platform.codec import CodecError, CodecLimits, decode, message_type
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.lifecycle import AsyncLifecycle
 from conveyor.platform.messages import Message
@@ -67,7 +67,9 @@ class TopicTail(AsyncLifecycle):
     that is older). The end offsets of that moment are captured: :attr:`caught_up` turns True
     once every partition was read up to them (the replay is over). A record that does not
     decode is logged, counted and skipped (a reader does not write the dead-letter topic:
-    every reader would add a copy).
+    every reader would add a copy). With ``types``, records of other message types are passed
+    over undecoded (:func:`~conveyor.platform.codec.message_type`): they cost no decode, and a
+    reader of plain messages never imports torch for a tensor-carrying one.
     Broker failures raise :class:`BusError` (:class:`BusUnavailable` when retriable).
     """
 
@@ -79,6 +81,7 @@ class TopicTail(AsyncLifecycle):
         start: Start = "beginning",
         offsets: Mapping[int, int] | None = None,
         limits: CodecLimits | None = None,
+        types: Iterable[type[Message]] | None = None,
     ) -> None:
         if start not in ("beginning", "last"):
             raise ValueError(f"start must be 'beginning' or 'last', got {start!r}")
@@ -87,6 +90,7 @@ class TopicTail(AsyncLifecycle):
         self._start = start
         self._offsets = dict(offsets) if offsets is not None else None
         self._limits = limits or CodecLimits(max_message_bytes=settings.max_message_bytes)
+        self._types = frozenset(cls.TYPE for cls in types) if types is not None else None
         self._consumer: AIOKafkaConsumer | None = None
         self._assigned: list[TopicPartition] = []
         self._targets: dict[int, int] = {}
@@ -206,8 +210,9 @@ class TopicTail(AsyncLifecycle):
 
     async def read_at(self, partition: int, offset: int, timeout_s: float = 10.0) -> Tailed | None:
         """The record at ``offset`` of ``partition`` (or the next one after a gap), None when
-        none arrives within ``timeout_s`` or it does not decode. Moves that partition's read
-        position: use a dedicated tail for lookups, not the one being followed."""
+        none arrives within ``timeout_s``, it does not decode or is not of ``types``. Moves
+        that partition's read position: use a dedicated tail for lookups, not the one being
+        followed."""
         consumer = self._running()
         tp = TopicPartition(self.topic, partition)
         if tp not in self._assigned:
@@ -235,6 +240,10 @@ class TopicTail(AsyncLifecycle):
         offset: int = record.offset
         size_bytes = len(value) if value is not None else 0
         topic_metrics(self.topic, self._settings.topic_prefix).consumed_bytes.inc(size_bytes)
+        if self._types is not None:
+            name = message_type(value or b"")
+            if name is not None and name not in self._types:
+                return None  # not asked for; one that is not a message is decoded to say why
         try:
             message = decode(value or b"", limits=self._limits)
         except CodecError as exc:

@@ -33,9 +33,11 @@ checked with a few C-level comparisons; the field-by-field checks that name the 
 (:mod:`~conveyor.platform.codec.checks`) run only when those fail.
 
 The package's modules: :mod:`~conveyor.platform.codec.framing` (encode, decode and the header),
-:mod:`~conveyor.platform.codec.tensors` (dtypes and tensor bytes),
+:mod:`~conveyor.platform.codec.tensors` (dtypes and tensor bytes: the one module that imports
+torch, loaded by the first schema with tensor fields that is encoded or decoded),
 :mod:`~conveyor.platform.codec.limits` (layout constants and :class:`CodecLimits`),
-:mod:`~conveyor.platform.codec.errors`. Import from the package itself.
+:mod:`~conveyor.platform.codec.errors`. Import from the package itself (``DTYPES`` from
+:mod:`~conveyor.platform.codec.tensors`, which a torch-free process leaves unloaded).
 """
 
 from conveyor.platform.codec.errors import (
@@ -45,14 +47,12 @@ from conveyor.platform.codec.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from conveyor.platform.codec.framing import decode, encode
+from conveyor.platform.codec.framing import decode, encode, message_type
 from conveyor.platform.codec.limits import ALIGN_BYTES, DEFAULT_LIMITS, PREFIX_BYTES, CodecLimits
-from conveyor.platform.codec.tensors import DTYPES
 
 __all__ = [
     "ALIGN_BYTES",
     "DEFAULT_LIMITS",
-    "DTYPES",
     "PREFIX_BYTES",
     "CodecError",
     "CodecLimits",
@@ -62,4 +62,5 @@ __all__ = [
     "UnsupportedVersion",
     "decode",
     "encode",
+    "message_type",
 ]

@@ -3,10 +3,9 @@ checks, and the walk over plain values that decode would refuse."""
 
 from __future__ import annotations
 
+import sys
 from operator import countOf
 from typing import Any
-
-import torch
 
 from conveyor.platform.codec.errors import MalformedMessage
 from conveyor.platform.codec.plans import _Plan
@@ -28,7 +27,7 @@ def _check_types(plan: _Plan, values: tuple[Any, ...], *, decoding: bool) -> Non
             _check_str_dict(where, value)
         elif spec.kind in (FieldKind.RECORD, FieldKind.RECORD_LIST):
             pass  # checked as a whole by the records module
-        elif not decoding and not isinstance(value, torch.Tensor):
+        elif not decoding and not _is_tensor(value):
             raise MalformedMessage(f"{where}: expected a tensor, got {type(value).__name__}")
         # A decoded tensor field holds a descriptor, checked by _PayloadReader.read.
 
@@ -65,7 +64,14 @@ def _check_plain(where: str, value: object, depth: int) -> None:
         _check_str_dict(where, value)
         for item in value.values():
             _check_plain(where, item, depth + 1)
-    elif isinstance(value, torch.Tensor):
+    elif _is_tensor(value):
         raise MalformedMessage(f"{where}: tensors go in Tensor or dict[str, Tensor] fields")
     else:
         raise MalformedMessage(f"{where}: cannot send a {type(value).__name__}")
+
+
+def _is_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor. Asked without importing torch: no tensor exists
+    in a process that has not imported it, and these checks run in processes that never do."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)

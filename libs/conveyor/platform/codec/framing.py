@@ -17,10 +17,15 @@ from conveyor.platform.codec.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from conveyor.platform.codec.limits import ALIGN_BYTES, DEFAULT_LIMITS, PREFIX_BYTES, CodecLimits
+from conveyor.platform.codec.limits import (
+    ALIGN_BYTES,
+    DEFAULT_LIMITS,
+    PADS,
+    PREFIX_BYTES,
+    CodecLimits,
+)
 from conveyor.platform.codec.plans import _PLANS_BY_CLASS, _PLANS_BY_NAME, _plan_named, _plan_of
 from conveyor.platform.codec.records import records_from_wire, records_to_wire
-from conveyor.platform.codec.tensors import _PADS, _PayloadReader, _PayloadWriter
 from conveyor.platform.messages import Message, MessageSchema
 
 _PREFIX = struct.Struct("<I")
@@ -46,13 +51,17 @@ def encode(message: Message, *, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
     header.update(zip(plan.field_names, values, strict=False))  # same length
     for name, where, spec in plan.record_fields:
         header[name] = records_to_wire(where, spec, header[name])
-    payload = _PayloadWriter(limits)
-    for name, where in plan.tensor_fields:
-        header[name] = payload.add(where, header[name])
-    for name, where in plan.dict_tensor_fields:
-        tensors = header[name]
-        _check_str_dict(where, tensors)
-        header[name] = {key: payload.add(f"{where}[{key!r}]", t) for key, t in tensors.items()}
+    chunks: list[Any] = []  # the tensors' bytes and the pads between them, in order
+    payload_size = 0
+    if plan.payload_writer is not None:
+        payload = plan.payload_writer(limits)
+        for name, where in plan.tensor_fields:
+            header[name] = payload.add(where, header[name])
+        for name, where in plan.dict_tensor_fields:
+            tensors = header[name]
+            _check_str_dict(where, tensors)
+            header[name] = {key: payload.add(f"{where}[{key!r}]", t) for key, t in tensors.items()}
+        chunks, payload_size = payload.chunks, payload.size
     try:
         head = _pack_header(header)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -62,7 +71,7 @@ def encode(message: Message, *, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
             f"{plan.name}: header of {len(head)} bytes, limit {limits.max_header_bytes}"
         )
     prefix = _PREFIX.pack(len(head))
-    if payload.size == 0:
+    if payload_size == 0:
         total = PREFIX_BYTES + len(head)
         if total > limits.max_message_bytes:
             raise MessageTooLarge(
@@ -70,12 +79,12 @@ def encode(message: Message, *, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
             )
         return prefix + head
     pad = -(PREFIX_BYTES + len(head)) % ALIGN_BYTES
-    total = PREFIX_BYTES + len(head) + pad + payload.size
+    total = PREFIX_BYTES + len(head) + pad + payload_size
     if total > limits.max_message_bytes:
         raise MessageTooLarge(
             f"{plan.name}: {total} bytes, max_message_bytes={limits.max_message_bytes}"
         )
-    return b"".join([prefix, head, _PADS[pad], *payload.chunks])
+    return b"".join([prefix, head, PADS[pad], *chunks])
 
 
 def _pack_header(header: dict[str, Any]) -> bytes:
@@ -136,6 +145,33 @@ def decode(
         raise MalformedMessage(f"undecodable message: {type(exc).__name__}: {exc}") from exc
 
 
+_PEEK_BYTES = 256
+"""Header bytes :func:`message_type` reads: ``v`` and ``type`` come first and are short."""
+
+
+def message_type(data: bytes | bytearray | memoryview) -> str | None:
+    """The wire type name of an encoded message, read from the first two entries of its header
+    (:func:`encode` writes ``v`` then ``type`` first) without decoding the rest: a reader that
+    wants some types only skips the others before their fields and tensors are built. None when
+    the bytes do not start as :func:`encode` writes them: :func:`decode` then decides (and says
+    why it refuses them)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < PREFIX_BYTES:
+        return None
+    header_end = min(PREFIX_BYTES + _PREFIX.unpack_from(view)[0], view.nbytes)
+    unpacker = msgpack.Unpacker(max_ext_len=0, ext_hook=_reject_ext, strict_map_key=True, raw=False)
+    unpacker.feed(view[PREFIX_BYTES : min(header_end, PREFIX_BYTES + _PEEK_BYTES)])
+    try:
+        if unpacker.read_map_header() < 2:
+            return None
+        entries = [unpacker.unpack() for _ in range(4)]  # "v", version, "type", name
+    except (msgpack.UnpackException, ValueError, CodecError):
+        return None
+    if entries[0] != "v" or entries[2] != "type" or type(entries[3]) is not str:
+        return None
+    return entries[3]
+
+
 def _reject_ext(code: int, data: bytes) -> NoReturn:
     raise MalformedMessage(f"msgpack extension type {code} is not allowed")
 
@@ -172,14 +208,19 @@ def _build(header: object, header_end: int, view: memoryview, limits: CodecLimit
     for field, where, spec in plan.record_fields:
         header[field] = records_from_wire(where, spec, header[field])
 
-    tensors = _PayloadReader(view, header_end, limits)
-    for field, where in plan.tensor_fields:
-        header[field] = tensors.read(where, header[field])
-    for field, where in plan.dict_tensor_fields:
-        descs = header[field]
-        _check_str_dict(where, descs)
-        header[field] = {k: tensors.read(f"{where}[{k!r}]", d) for k, d in descs.items()}
-    tensors.check_end()
+    if plan.payload_reader is not None:
+        tensors = plan.payload_reader(view, header_end, limits)
+        for field, where in plan.tensor_fields:
+            header[field] = tensors.read(where, header[field])
+        for field, where in plan.dict_tensor_fields:
+            descs = header[field]
+            _check_str_dict(where, descs)
+            header[field] = {k: tensors.read(f"{where}[{k!r}]", d) for k, d in descs.items()}
+        tensors.check_end()
+    elif view.nbytes != header_end:  # no tensors: the message ends with its header
+        raise MalformedMessage(
+            f"message is {view.nbytes} bytes, its header and tensors make {header_end}"
+        )
     del header["v"], header["type"]  # what is left are exactly the fields, checked above
     try:
         return plan.cls(**header)

@@ -10,6 +10,8 @@ ALIGN_BYTES = 64
 PREFIX_BYTES = 4
 """Size of the header-length prefix (unsigned 32-bit little-endian)."""
 _MAX_HEADER_LEN = 2**32 - 1
+PADS = tuple(bytes(n) for n in range(ALIGN_BYTES))
+"""``PADS[n]``: n zero bytes, to align what follows to :data:`ALIGN_BYTES`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,12 +5,13 @@ field tables once, so encode and decode check the common case with a few C-level
 from __future__ import annotations
 
 from operator import attrgetter, itemgetter
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from conveyor.platform.codec.errors import UnknownMessageType
 from conveyor.platform.messages import FieldKind, FieldSpec, Message, MessageSchema, schema_for
+
+if TYPE_CHECKING:
+    from conveyor.platform.codec.tensors import _PayloadReader, _PayloadWriter
 
 
 def _tuple_getter(getter: Any, names: tuple[str, ...]) -> Any:
@@ -39,6 +40,8 @@ class _Plan:
         "header_keys",
         "name",
         "nested_fields",
+        "payload_reader",
+        "payload_writer",
         "record_fields",
         "schema",
         "tensor_fields",
@@ -55,10 +58,6 @@ class _Plan:
         self.header_keys = frozenset({"v", "type", *self.field_names})
         self.get_attrs = _tuple_getter(attrgetter, self.field_names)
         self.get_items = _tuple_getter(itemgetter, self.field_names)
-        # The common type of each field's value, in order: when every value has it, one
-        # comparison checks them all; otherwise _check_types checks each against its spec.
-        self.encode_types = tuple(_main_type(spec, decoding=False) for spec in schema.fields)
-        self.decode_types = tuple(_main_type(spec, decoding=True) for spec in schema.fields)
         self.type_specs = tuple((spec, f"{schema.name}.{spec.name}") for spec in schema.fields)
         self.tensor_fields = tuple(
             (spec.name, f"{schema.name}.{spec.name}")
@@ -86,12 +85,34 @@ class _Plan:
             for spec in schema.fields
             if spec.kind is FieldKind.VALUE and (spec.types is None or spec.types & {list, dict})
         )
+        # Only a schema with tensor fields loads the tensor module, and with it torch and
+        # numpy: a process that never sees a tensor never pays for their import.
+        self.payload_writer: type[_PayloadWriter] | None = None
+        self.payload_reader: type[_PayloadReader] | None = None
+        tensor_type: type | None = None
+        if self.tensor_fields or self.dict_tensor_fields:
+            import torch
+
+            from conveyor.platform.codec import tensors
+
+            self.payload_writer = tensors._PayloadWriter
+            self.payload_reader = tensors._PayloadReader
+            tensor_type = torch.Tensor
+        # The common type of each field's value, in order: when every value has it, one
+        # comparison checks them all; otherwise _check_types checks each against its spec.
+        self.encode_types = tuple(
+            _main_type(spec, decoding=False, tensor_type=tensor_type) for spec in schema.fields
+        )
+        self.decode_types = tuple(
+            _main_type(spec, decoding=True, tensor_type=tensor_type) for spec in schema.fields
+        )
 
 
-def _main_type(spec: FieldSpec, *, decoding: bool) -> type | None:
-    """The type a field's value has in the common case; None where there is none (Any)."""
+def _main_type(spec: FieldSpec, *, decoding: bool, tensor_type: type | None) -> type | None:
+    """The type a field's value has in the common case; None where there is none (Any).
+    ``tensor_type`` is ``torch.Tensor`` for a schema with tensor fields."""
     if spec.kind is FieldKind.TENSOR:
-        return dict if decoding else torch.Tensor  # decoding: the tensor's descriptor
+        return dict if decoding else tensor_type  # decoding: the tensor's descriptor
     if spec.kind is FieldKind.TENSOR_DICT:
         return dict
     if spec.kind is FieldKind.RECORD:

@@ -1,6 +1,10 @@
 """Tensor bytes on the wire: which dtypes travel, and how tensors are laid out after the header
 (:class:`_PayloadWriter`) and turned back into zero-copy views of the received buffer
-(:class:`_PayloadReader`). The header around them is :mod:`conveyor.platform.codec.framing`'s."""
+(:class:`_PayloadReader`). The header around them is :mod:`conveyor.platform.codec.framing`'s.
+
+The one module of the codec that imports torch (and numpy): the plan of a schema with tensor
+fields (:mod:`~conveyor.platform.codec.plans`) imports it, so a process that never encodes
+or decodes a tensor never loads torch."""
 
 from __future__ import annotations
 
@@ -14,9 +18,7 @@ import numpy as np
 import torch
 
 from conveyor.platform.codec.errors import MalformedMessage, MessageTooLarge
-from conveyor.platform.codec.limits import ALIGN_BYTES, CodecLimits
-
-_PADS = tuple(bytes(n) for n in range(ALIGN_BYTES))
+from conveyor.platform.codec.limits import ALIGN_BYTES, PADS, CodecLimits
 
 DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
@@ -111,7 +113,7 @@ class _PayloadWriter:
                     f"max_message_bytes={limits.max_message_bytes}"
                 )
             if pad:
-                self.chunks.append(_PADS[pad])
+                self.chunks.append(PADS[pad])
             self.chunks.append(array if array is not None else _host_copy(tensor, dtype))
             self.size = offset + nbytes
         return {"dtype": dtype_name, "shape": shape, "offset": offset, "nbytes": nbytes}

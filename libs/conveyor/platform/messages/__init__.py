@@ -19,8 +19,11 @@ of those types), a union of those with ``None``, ``torch.Tensor`` either as a wh
 the values of a ``dict[str, Tensor]`` field, and typed rows: a :class:`Record` subclass (a
 frozen kw-only slotted dataclass of plain fields) as a field or as ``list[Row]``. Registration
 turns each annotation into a :class:`FieldSpec` that the codec (:mod:`conveyor.platform.codec`)
-checks values against, so annotations must resolve at import time (import ``Tensor`` for real,
-not under ``TYPE_CHECKING``). Changing a schema's fields means a new version number.
+checks values against, so annotations must resolve at import time: every name but ``Tensor``
+imported for real; ``Tensor`` is imported from torch under ``TYPE_CHECKING`` and resolves to
+:class:`~conveyor.platform.messages.registry.TensorAnnotation`, so that the schemas (and the
+services that never see a tensor) load without torch. Changing a schema's fields means a new
+version number.
 
 The package keeps the whole wire contract in one place: the registry
 (:mod:`~conveyor.platform.messages.registry`), the topic names

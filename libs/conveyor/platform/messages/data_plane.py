@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from conveyor.platform.messages.registry import Message, Record, message
 from conveyor.platform.messages.topics import SPLITS
+
+if TYPE_CHECKING:  # the registry resolves it without torch (TensorAnnotation)
+    from torch import Tensor
 
 
 @message("DeadLetter", version=1)
@@ -112,6 +112,8 @@ class Batch(Message):
     ``read_end``, ``augment_end``, ``sent`` (preprocessor), then the trainer's stages."""
 
     def __post_init__(self) -> None:
+        import torch  # loaded already: a Batch holds tensors
+
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         # Runs on every decoded batch: each tensor attribute is read once (they are not free).

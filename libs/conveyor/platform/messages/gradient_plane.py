@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from conveyor.platform.messages.registry import Message, Record, message
+
+if TYPE_CHECKING:  # the registry resolves it without torch (TensorAnnotation)
+    from torch import Tensor
 
 
 @message("GradSlice", version=1)
@@ -119,6 +120,8 @@ class Contribution(Message):
             )
         if any(passes < 1 for passes in self.inner_steps):
             raise ValueError(f"every inner step has >= 1 pass, got {self.inner_steps}")
+        import torch  # loaded already: sample_ids is a tensor
+
         ids = self.sample_ids
         if ids.dtype not in (torch.int32, torch.int64) or ids.shape != (self.num_samples,):
             raise ValueError(
@@ -130,6 +133,8 @@ class Contribution(Message):
 def sample_ids_tensor(sample_ids: Sequence[int]) -> Tensor:
     """``Contribution.sample_ids`` for ``sample_ids`` (ids >= 0): int32 [S] when every id
     fits, else int64 [S]."""
+    import torch  # here, not at the top: the schemas load without torch
+
     high = max(sample_ids, default=0)
     dtype = torch.int32 if high < 2**31 else torch.int64
     return torch.tensor(sample_ids, dtype=dtype)

@@ -5,14 +5,13 @@ annotation becomes for the codec to check values against."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, TypeVar
-
-from torch import Tensor
 
 ENVELOPE_KEYS = frozenset({"v", "type"})
 """Header keys the envelope uses; no field may take these names."""
@@ -38,6 +37,20 @@ class Record:
     kw-only, slotted dataclass of plain-value fields (no tensors, no nested records). It
     travels as a msgpack map of its fields and decodes back to its class, with the same type
     checks as a message's fields and its own ``__post_init__`` checks."""
+
+
+class TensorAnnotation:
+    """What the name ``Tensor`` in a field annotation resolves to when a schema registers.
+
+    Schema modules import ``Tensor`` from torch under ``TYPE_CHECKING`` only: the registry,
+    and so every service, then loads without torch (~2.5 CPU-s of imports), and a process
+    imports torch only when it first encodes or decodes a tensor (the codec's
+    :mod:`~conveyor.platform.codec.tensors`). An annotation that is ``torch.Tensor`` itself (a
+    module without ``from __future__ import annotations``) is a tensor field too."""
+
+
+_ANNOTATION_NAMES: dict[str, Any] = {"Tensor": TensorAnnotation}
+"""Names a field annotation may use that its module imports for type checkers only."""
 
 
 class FieldKind(Enum):
@@ -112,7 +125,7 @@ def message(name: str, version: int) -> Callable[[type[M]], type[M]]:
             raise ValueError(
                 f"{cls.__qualname__} must be declared with @dataclass(kw_only=True, slots=True)"
             )
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         specs = []
         for field in dataclasses.fields(cls):
             where = f"{cls.__qualname__}.{field.name}"
@@ -161,7 +174,7 @@ def record_specs(cls: type[Record]) -> tuple[FieldSpec, ...]:
     if "__dataclass_fields__" not in cls.__dict__ or "__slots__" not in cls.__dict__:
         raise ValueError(f"{cls.__qualname__} must be declared with @dataclass(kw_only=True, "
                          "slots=True, frozen=True)")  # fmt: skip
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     specs = []
     for field in dataclasses.fields(cls):
         spec = _field_spec(field.name, hints[field.name])
@@ -171,8 +184,28 @@ def record_specs(cls: type[Record]) -> tuple[FieldSpec, ...]:
     return tuple(specs)
 
 
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of ``cls``, ``Tensor`` as :class:`TensorAnnotation`;
+    TypeError naming the class when one does not resolve."""
+    try:
+        return typing.get_type_hints(cls, localns=_ANNOTATION_NAMES)
+    except NameError as exc:
+        raise TypeError(
+            f"{cls.__qualname__}: {exc} (annotate tensor fields as Tensor, from torch)"
+        ) from exc
+
+
+def _is_tensor(annotation: object) -> bool:
+    if annotation is TensorAnnotation:
+        return True
+    # Without torch imported, no annotation can be torch.Tensor: importing it here would
+    # cost what TensorAnnotation saves.
+    torch = sys.modules.get("torch")
+    return torch is not None and annotation is torch.Tensor
+
+
 def _field_spec(name: str, annotation: object) -> FieldSpec:
-    if annotation is Tensor:
+    if _is_tensor(annotation):
         return FieldSpec(name=name, kind=FieldKind.TENSOR)
     if isinstance(annotation, type) and issubclass(annotation, Record):
         return FieldSpec(
@@ -186,7 +219,8 @@ def _field_spec(name: str, annotation: object) -> FieldSpec:
                 name=name, kind=FieldKind.RECORD_LIST, record=item,
                 record_fields=record_specs(item),
             )  # fmt: skip
-    if typing.get_origin(annotation) is dict and typing.get_args(annotation) == (str, Tensor):
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is dict and args[:1] == (str,) and _is_tensor(args[-1]):
         return FieldSpec(name=name, kind=FieldKind.TENSOR_DICT)
     value_types, item_types, nested = _value_types(annotation)
     return FieldSpec(

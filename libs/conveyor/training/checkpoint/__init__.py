@@ -1,6 +1,10 @@
 """Checkpoints of a job's training state in an object store: slice files, the manifest that
 commits them, retention, verified loading with fallback (:mod:`.store`, :mod:`.manifest`), and
-the job progress a resume starts from (:mod:`.progress`, :mod:`.resume`)."""
+the job progress a resume starts from (:mod:`.progress`, :mod:`.resume`).
+
+The slice file's format (:mod:`.slicefile`: ``encode_slice``, ``decode_slice``) is the one
+module that imports torch; import it from there, so that importing the package stays
+torch-free for the services that only list and commit checkpoints."""
 
 from conveyor.training.checkpoint.manifest import (
     MANIFEST_FORMAT,
@@ -21,8 +25,6 @@ from conveyor.training.checkpoint.store import (
     CheckpointStore,
     Skipped,
     SliceState,
-    decode_slice,
-    encode_slice,
 )
 
 __all__ = [
@@ -39,8 +41,6 @@ __all__ = [
     "SliceFile",
     "SliceState",
     "checkpoint_prefix",
-    "decode_slice",
-    "encode_slice",
     "latest_key",
     "manifest_key",
     "read_progress",

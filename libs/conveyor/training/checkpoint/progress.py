@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from conveyor.platform.messages import EndedEpoch, ResumePoint
 from conveyor.training.ledger import Ledger
+
+if TYPE_CHECKING:
+    import torch
 
 PROGRESS_METADATA_KEY = "progress"
 LEDGER_EPOCHS_TENSOR = "progress.ledger_epochs"
@@ -93,6 +95,8 @@ class JobProgress:
 
     def to_file_parts(self) -> tuple[str, dict[str, torch.Tensor]]:
         """(JSON metadata, tensors) for a safetensors file."""
+        import torch  # here, as in .slicefile, its one caller: the rest of the module is torch-free
+
         document = {
             "version": self.version,
             "steps": self.steps,
@@ -135,6 +139,8 @@ class JobProgress:
 
 
 def _step_losses(tensor: torch.Tensor | None) -> list[float]:
+    import torch  # see to_file_parts
+
     if tensor is None:  # a checkpoint from before step losses were kept
         return []
     if tensor.dtype != torch.float64 or tensor.dim() != 1:

@@ -18,7 +18,8 @@ from conveyor.platform.bus import Producer
 from conveyor.platform.messages import CheckpointUnusable, SliceSaved
 from conveyor.platform.storage import StorageError
 from conveyor.services.aggregator.metrics import AggregatorMetrics
-from conveyor.training.checkpoint import CheckpointStore, Skipped, SliceState, decode_slice
+from conveyor.training.checkpoint import CheckpointStore, Skipped, SliceState
+from conveyor.training.checkpoint.slicefile import decode_slice
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ starts the fold at the checkpoint's version and data cursor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from conveyor.platform.messages import (
     CheckpointRequest,
@@ -64,6 +65,15 @@ class CheckpointBook:
         self._version = 0
         self._last_trigger_at = started_at
         self._timer_pending = False
+
+    FOLDED: ClassVar[tuple[type[Message], ...]] = (
+        StepClose,
+        SliceSaved,
+        CheckpointRequest,
+        ResumePoint,
+    )
+    """The control records :meth:`fold` applies; the service reads only these (the others,
+    the trainers' Contributions among them, are not decoded, so it never loads torch)."""
 
     def fold(self, message: Message) -> None:
         """Apply one control record (other types and jobs are ignored)."""

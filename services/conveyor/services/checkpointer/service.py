@@ -50,7 +50,6 @@ from conveyor.training.checkpoint import (
     CheckpointStore,
     Manifest,
     SliceFile,
-    decode_slice,
     slice_key,
 )
 from conveyor.training.jobhost import JobFailure, JobHostService
@@ -156,7 +155,7 @@ class CheckpointerService(JobHostService[Prepared]):
         book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
         try:
             control_topic = job.plan.control_topic  # the view's plan changes on a resume
-            async with TopicTail(self.kafka, control_topic) as control:
+            async with TopicTail(self.kafka, control_topic, types=book.FOLDED) as control:
                 while True:
                     for record in await control.get_many(self.settings.poll_s):
                         book.fold(record.message)
@@ -265,6 +264,9 @@ def _files_in_store(
 ) -> list[SliceFile]:
     """The files of ``version`` as written (their announcements may be lost): each slice's
     file is read back for its recorded offset. ObjectNotFound when one is missing."""
+    # Reading a slice file back imports torch, which the checkpointer needs only here.
+    from conveyor.training.checkpoint.slicefile import decode_slice
+
     files: list[SliceFile] = []
     for index in range(book.num_slices):
         announced = book.file(version, index)

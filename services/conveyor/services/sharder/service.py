@@ -83,7 +83,6 @@ from conveyor.training.datasets import AnyDataset, DatasetError, open_dataset, o
 from conveyor.training.locations import output_uri, refused_locations
 from conveyor.training.plan import JobPlan
 from conveyor.training.routing import shard_partitions
-from conveyor.training.slicing import build_job_model
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +328,10 @@ class SharderService(Service):
             num_classes = dataset.num_classes  # a token file's vocabulary may be unknown
         except (ValueError, DatasetError) as exc:
             raise _PlanFailed(f"cannot plan dataset {uri}: {exc}") from exc
+        # Imported on the first job planned, not at start: it loads torch (~2.5 CPU-s), which
+        # nothing else of the sharder needs.
+        from conveyor.training.slicing import build_job_model
+
         try:
             # Shapes only (meta device): an unknown option or a model whose state the gradient
             # plane cannot carry fails the job now rather than at training time.
