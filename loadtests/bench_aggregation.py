@@ -12,9 +12,10 @@ Systems:
     conveyor  the real stack (``conveyor up --scale trainer=2 --scale aggregator=2``: broker,
               gateway, sharder, preprocessor, 2 trainers, 2 aggregators), sync jobs with 2
               trainers and 2 parameter slices submitted through the gateway, one after the other.
-Overlap: every Conveyor job runs twice on the stack, as is (a step's slices sent while its last
-backward pass runs, ``distribution.overlap_backward``) and as ``<case>_serial`` with it off
-(every slice after the whole backward), paired on one seed, alternating which goes first; the
+Overlap: every Conveyor job runs twice on the stack, with ``distribution.overlap_backward`` on
+(a step's slices sent while its last backward pass runs; by default only for a gradient of 1 MiB
+or more, not the small_cnn's) and as ``<case>_serial`` with it off (every slice after the whole
+backward), paired on one seed, alternating which goes first; the
 hop table shows both, and the JSON has ``serial_hop_*_ms`` beside ``hop_*_ms`` and
 ``overlap_compute_grad_send_vs_serial`` (compute + grad_send hops, ours / serial; resnet18's
 with a ``resnet18_`` prefix) and ``overlap_step_vs_serial``.
@@ -220,12 +221,14 @@ def digits_spec(*, epochs: int, compression: str, seed: int = 0) -> dict[str, An
     return JobSpec.from_dict(data).to_dict()
 
 
-def serial(spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` with ``distribution.overlap_backward`` off: every slice sent after the whole
-    backward pass (the overlap's baseline; the same bytes, the same updates)."""
+def with_overlap(spec: dict[str, Any], on: bool) -> dict[str, Any]:
+    """``spec`` with ``distribution.overlap_backward`` set: on, slices sent during the last
+    backward pass; off (named ``-serial``), every slice after it (the overlap's baseline; the
+    same bytes, the same updates). Set either way: the default depends on the model's size."""
     data = copy.deepcopy(spec)
-    data["distribution"]["overlap_backward"] = False
-    data["name"] = f"{data['name']}-serial"
+    data["distribution"]["overlap_backward"] = on
+    if not on:
+        data["name"] = f"{data['name']}-serial"
     return data
 
 
@@ -475,12 +478,14 @@ def measure(args: argparse.Namespace, cases: list[Case], runs: Runs, load: list[
             for case in cases:
                 if case.name != "small_cnn" and repeat >= args.resnet_repeats:
                     continue
-                jobs = [(case.name, case.spec), (f"{case.name}_serial", serial(case.spec))]
+                jobs = [(case.name, with_overlap(case.spec, True)),
+                        (f"{case.name}_serial", with_overlap(case.spec, False))]  # fmt: skip
                 if case.name == "small_cnn":
                     # Dense, top-k and dense without the overlap paired on seed = repeat,
                     # alternating which goes first.
                     dense = digits_spec(epochs=args.digits_epochs, compression="none", seed=repeat)
-                    jobs = [("small_cnn", dense), ("small_cnn_serial", serial(dense)),
+                    jobs = [("small_cnn", with_overlap(dense, True)),
+                            ("small_cnn_serial", with_overlap(dense, False)),
                             ("topk", digits_spec(epochs=args.digits_epochs, compression="topk",
                                                  seed=repeat))]  # fmt: skip
                 jobs = jobs if repeat % 2 == 0 else jobs[::-1]

@@ -75,6 +75,8 @@ def spec_with(*, optimizer: dict[str, Any] = SGD, **distribution: Any) -> dict[s
     spec = copy.deepcopy(SPEC)
     spec["training"]["optimizer"] = dict(optimizer)
     spec["distribution"].update(distribution)
+    if spec["distribution"]["mode"] != "local":  # the replays cover the overlapped path, which
+        spec["distribution"].setdefault("overlap_backward", True)  # a 94 KiB model lacks
     return spec
 
 

@@ -85,15 +85,13 @@ def test_the_json_ends_with_the_three_headline_figures() -> None:
 
 def test_each_job_has_a_baseline_without_the_overlap_that_trains_the_same() -> None:
     dense = bench.digits_spec(epochs=1, compression="none", seed=3)
-    baseline = bench.serial(dense)
+    overlapped, baseline = bench.with_overlap(dense, True), bench.with_overlap(dense, False)
+    assert overlapped["distribution"]["overlap_backward"] is True
     assert baseline["distribution"]["overlap_backward"] is False
-    assert "overlap_backward" not in dense["distribution"] or (
-        dense["distribution"]["overlap_backward"] is None
-    )
-    del baseline["distribution"]["overlap_backward"], dense["distribution"]["overlap_backward"]
-    assert baseline["name"] == f"{dense['name']}-serial"
+    assert overlapped["name"] == dense["name"] and baseline["name"] == f"{dense['name']}-serial"
     baseline["name"] = dense["name"]
-    assert baseline == dense  # only the overlap differs
+    baseline["distribution"]["overlap_backward"] = True
+    assert baseline == overlapped  # only the overlap differs
     cases = [Case("small_cnn", "", dense, 10, 1), Case("resnet18", "", dense, 2, 1)]
     assert bench.job_names(cases) == [
         "small_cnn", "small_cnn_serial", "resnet18", "resnet18_serial"

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from conveyor.training.jobspec import JobSpec
+from conveyor.training.jobspec.distribution import OVERLAP_MIN_GRADIENT_BYTES
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -344,20 +345,23 @@ def test_local_mode_rules(distribution: dict[str, Any], loc: tuple[str], fragmen
 
 
 @pytest.mark.parametrize(
-    ("distribution", "overlaps"),
+    ("distribution", "gradient_bytes", "overlaps"),
     [
-        ({"mode": "sync"}, True),
-        ({"mode": "ssp"}, True),
-        ({"mode": "sync", "overlap_backward": False}, False),
-        ({"mode": "local", "sync_every_steps": 8}, False),
-        ({"mode": "local", "sync_every_steps": 8, "overlap_backward": False}, False),
+        ({"mode": "sync"}, OVERLAP_MIN_GRADIENT_BYTES, True),
+        ({"mode": "ssp"}, 44_695_848, True),  # resnet18
+        ({"mode": "sync"}, OVERLAP_MIN_GRADIENT_BYTES - 4, False),
+        ({"mode": "sync"}, 95_784, False),  # the digits demo's small_cnn
+        ({"mode": "sync", "overlap_backward": True}, 95_784, True),
+        ({"mode": "sync", "overlap_backward": False}, 44_695_848, False),
+        ({"mode": "local", "sync_every_steps": 8}, 44_695_848, False),
+        ({"mode": "local", "sync_every_steps": 8, "overlap_backward": False}, 95_784, False),
     ],
 )
-def test_the_backward_overlaps_the_send_in_sync_and_ssp_unless_turned_off(
-    distribution: dict[str, Any], overlaps: bool
+def test_the_backward_overlaps_the_send_of_a_large_gradient_in_sync_and_ssp_unless_set(
+    distribution: dict[str, Any], gradient_bytes: int, overlaps: bool
 ) -> None:
     spec = JobSpec.model_validate(spec_with("distribution", distribution))
-    assert spec.distribution.overlaps_backward is overlaps
+    assert spec.distribution.overlaps_backward(gradient_bytes) is overlaps
 
 
 def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -> None:

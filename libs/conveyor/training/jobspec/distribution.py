@@ -12,6 +12,12 @@ from conveyor.training.jobspec.base import (
 )
 from conveyor.training.jobspec.optimization import OptimizerSpec
 
+OVERLAP_MIN_GRADIENT_BYTES = 1 << 20
+"""Smallest fp32 gradient whose slices leave during the backward by default (1 MiB, DDP's
+first bucket). Below it the hooks and the hand-overs between threads cost more than the send
+they hide: ``bench_overlap`` on 2 quiet cores, a step's last pass and its slices acknowledged,
+overlap / serial: the digits small_cnn (94 KiB) 1.17, resnet18 width 16 (2.7 MiB) 0.96-0.97."""
+
 
 class CompressionSpec(_Spec):
     kind: Literal["none", "fp16", "bf16", "topk"] = "none"
@@ -75,8 +81,9 @@ class DistributionSpec(_Spec):
     slice is encoded and sent as soon as the pass has completed it (DDP-style buckets; the
     layers nearest the loss come first, so the last slices leave while the first are still
     being computed); false: the whole backward, then every slice. The bytes sent are the same
-    either way. None: on in sync and ssp. local mode refuses true (its delta exists only after
-    the window's optimizer steps)."""
+    either way. None: on in sync and ssp for a gradient of at least
+    :data:`OVERLAP_MIN_GRADIENT_BYTES` (see :meth:`overlaps_backward`). local mode refuses
+    true (its delta exists only after the window's optimizer steps)."""
     deterministic: bool = False
     """Bit-exact training: the same spec gives the same parameters and per-step losses, run
     straight through or resumed after any number of kills. The trainer takes each step's
@@ -121,13 +128,13 @@ class DistributionSpec(_Spec):
             )
         return overlap
 
-    @property
-    def overlaps_backward(self) -> bool:
-        """Whether a step's slices are sent during its last backward pass (``overlap_backward``,
-        None: yes in sync and ssp)."""
+    def overlaps_backward(self, gradient_bytes: int) -> bool:
+        """Whether a step's slices are sent during its last backward pass: ``overlap_backward``
+        when set; None: in sync and ssp when the fp32 gradient (``gradient_bytes``) is at
+        least :data:`OVERLAP_MIN_GRADIENT_BYTES`."""
         if self.overlap_backward is not None:
             return self.overlap_backward
-        return self.mode != "local"
+        return self.mode != "local" and gradient_bytes >= OVERLAP_MIN_GRADIENT_BYTES
 
     @field_validator("min_trainers")
     @classmethod

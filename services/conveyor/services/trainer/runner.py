@@ -333,7 +333,7 @@ class JobRunner:
             wanted = max(1, wanted)
         streamed: StreamedGradient | None = None
         if engine.inner is None:
-            overlap = spec.distribution.overlaps_backward
+            overlap = spec.distribution.overlaps_backward(engine.layout.numel * 4)
             patience_s = self.settings.empty_contribution_wait_s
             computed, wait_s, streamed = await self._gather(wanted, patience_s, stream_last=overlap)
             inner_steps: list[int] = []
