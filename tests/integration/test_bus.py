@@ -172,26 +172,6 @@ async def test_member_leaving_hands_over_the_rest(settings: KafkaSettings) -> No
     assert len(seen["b"]) >= total - 40
 
 
-async def test_joined_returns_with_the_first_assignment_even_an_empty_one(
-    settings: KafkaSettings,
-) -> None:
-    topic = f"{settings.topic_prefix}joined"
-    await create(settings, TopicSpec(topic, partitions=1))
-    a = Consumer(settings, [topic], group_id=group(settings, "joined"))
-    b = Consumer(settings, [topic], group_id=group(settings, "joined"))
-    async with a, b:
-        await asyncio.wait_for(asyncio.gather(a.joined(), b.joined()), 15)
-        deadline = time.monotonic() + 15
-        while sum(len(c.assignment()) for c in (a, b)) != 1:  # a revoke may still be on its way
-            assert time.monotonic() < deadline, "group did not settle"
-            await asyncio.sleep(0.05)
-        # One partition for two members: one of them joined with nothing assigned.
-        assert sorted(len(c.assignment()) for c in (a, b)) == [0, 1]
-    idle = Consumer(settings, [topic], group_id=group(settings, "never-started"))
-    with pytest.raises(TimeoutError):  # not started: never joined
-        await asyncio.wait_for(idle.joined(), 0.2)
-
-
 async def test_leaving_while_another_member_joins_does_not_wedge_the_group(
     settings: KafkaSettings,
 ) -> None:

@@ -70,6 +70,7 @@ class BatchIntake:
         self._prefetch: Prefetcher | None = None
         self._assigned: frozenset[tuple[str, int]] = frozenset()
         self._waited_once = False
+        self._join_awaited = False
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Prefetcher]:
@@ -115,6 +116,7 @@ class BatchIntake:
         the others are training."""
         consumer = self._consumer
         assert consumer is not None, "open() first"
+        self._join_awaited = True  # once: a join that timed out is not waited for again
         try:
             async with asyncio.timeout(self._kafka.session_timeout_s):
                 await consumer.joined()
@@ -137,7 +139,7 @@ class BatchIntake:
         (:meth:`joined`), which does not count as waiting for data."""
         prefetch = self._prefetch
         assert prefetch is not None
-        if self._control.version == 0:
+        if self._control.version == 0 and not self._join_awaited:
             await self.joined()
         item, waited = await prefetch.get(timeout_s)
         if count_wait and self._waited_once:  # the wait for the very first batch is start-up
