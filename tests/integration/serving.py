@@ -8,8 +8,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Protocol
 
+STOP_TIMEOUT_S = 30.0
+
 
 class Servable(Protocol):
+    stop_timeout_s: float
+
     async def serve(self) -> int: ...
     def readiness(self) -> bool: ...
     def request_stop(self, exit_code: int = 0) -> None: ...
@@ -20,7 +24,13 @@ async def running(
     service: Servable, ready_timeout_s: float = 30.0
 ) -> AsyncIterator[asyncio.Task[int]]:
     """Serve ``service`` until the block ends; yields its serve task once ``/readyz`` would
-    say ready. The stop at the end must give exit code 0."""
+    say ready. The stop at the end must give exit code 0.
+
+    The services run in the test's one event loop, beside each other and the broker clients,
+    so a stop that leaves several consumer groups (each leave bounded: final commit 5 s, leave
+    4 s) may take longer than the 10 s a lone process gets: 30 s here (the clean-clone suite
+    saw an aggregator's and a trainer's stop run past 10 s)."""
+    service.stop_timeout_s = STOP_TIMEOUT_S
     serving = asyncio.create_task(service.serve())
     deadline = time.monotonic() + ready_timeout_s
     while not service.readiness():
