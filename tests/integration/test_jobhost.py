@@ -134,3 +134,24 @@ async def test_a_job_that_ends_is_let_go_and_a_stop_leaves_the_running_one(
         assert await asyncio.wait_for(serving, 30) == 0
         assert host.let_go == ["j-a", "j-b"]
         assert not jobs.of("cancelled", "j-b") and not jobs.of("failed", "j-b")
+
+
+async def test_a_stop_that_meets_a_change_of_the_jobs_still_ends_the_host(
+    kafka_settings: KafkaSettings,
+) -> None:
+    """Python 3.11's ``asyncio.wait_for`` returned the awaited result when a cancel met its
+    completion, dropping the cancel: the host's loop went on waiting for changes, and a stop
+    that met a job event never ended (a service's stop in the suite ran out its 30 s)."""
+    host = Scripted(kafka_settings)
+    async with job_log(kafka_settings):
+        hosting = asyncio.create_task(host.run())
+        try:
+            await host.view_ready()
+            await asyncio.sleep(0.2)  # waiting for a change now
+            host._wake()  # a change arrives ...
+            hosting.cancel()  # ... as the stop cancels run()
+            await asyncio.wait({hosting}, timeout=10)
+            assert hosting.cancelled()
+        finally:
+            hosting.cancel()
+            await asyncio.wait({hosting}, timeout=10)

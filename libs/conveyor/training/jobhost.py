@@ -36,6 +36,7 @@ from collections.abc import Coroutine
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar, Generic, TypeVar
 
+from conveyor.platform.awaiting import await_chain
 from conveyor.platform.bus import Producer, wait_for_topics
 from conveyor.platform.config import KafkaSettings, TelemetrySettings
 from conveyor.platform.errors import ConveyorError
@@ -50,6 +51,8 @@ Prepared = TypeVar("Prepared")
 
 _RECONCILE_S = 1.0
 """Longest pause between two passes over the jobs (a change wakes the host at once)."""
+_SLOW_STOP_S = 10.0
+"""A job task still leaving after this long is logged with what it awaits."""
 
 
 class JobFailure(ConveyorError):
@@ -173,7 +176,8 @@ class JobHostService(Service, Generic[Prepared]):
                     self._changed.clear()
                     await self._reconcile()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), _RECONCILE_S)
+                        async with asyncio.timeout(_RECONCILE_S):
+                            await self._changed.wait()
         finally:
             await self._stop_jobs()
             await reader.stop()
@@ -290,7 +294,14 @@ class JobHostService(Service, Generic[Prepared]):
             if not task.cancelling():  # a job let go is leaving already: let it finish
                 task.cancel()
         if tasks:
-            await asyncio.wait(tasks)
+            _, slow = await asyncio.wait(tasks, timeout=_SLOW_STOP_S)
+            for task in slow:
+                logger.warning(
+                    "%s: still leaving after %.0fs; it awaits:\n  %s",
+                    task.get_name(), _SLOW_STOP_S, "\n  ".join(await_chain(task)),
+                )  # fmt: skip
+            if slow:
+                await asyncio.wait(slow)
         for task in tasks:
             failure = None if task.cancelled() else task.exception()
             if failure is not None:

@@ -151,7 +151,8 @@ class Consumer(AsyncLifecycle):
         self._closing = True
         self._capacity.set()
         try:
-            await asyncio.wait_for(self._runs_idle.wait(), self._drain_timeout_s)
+            async with asyncio.timeout(self._drain_timeout_s):
+                await self._runs_idle.wait()
         except TimeoutError:
             logger.warning(
                 "group %s: handlers still running after %.1fs; their records will be redelivered",
@@ -440,7 +441,8 @@ class Consumer(AsyncLifecycle):
         while self._in_flight.full and not self._closing:
             self._capacity.clear()
             try:
-                await asyncio.wait_for(self._capacity.wait(), self._keepalive_s())
+                async with asyncio.timeout(self._keepalive_s()):
+                    await self._capacity.wait()
             except TimeoutError:
                 # aiokafka leaves the group when getmany is not called for
                 # max_poll_interval; polling paused partitions keeps membership and returns

@@ -100,7 +100,8 @@ async def _rebalancing(coordinator: Any, group_id: str, member_id: str) -> bool:
     within :data:`PROBE_TIMEOUT_S` (Tansu can hold it during a join: assume the worst)."""
     request = HeartbeatRequest(group_id, 0, member_id)
     try:
-        response = await asyncio.wait_for(coordinator._send_req(request), PROBE_TIMEOUT_S)
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            response = await coordinator._send_req(request)
     except TimeoutError:
         return True
     except KafkaError:

@@ -266,7 +266,8 @@ class JobAggregator:
         while True:
             self._engine_doing = "waiting for records"
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+                async with asyncio.timeout(self.settings.tick_s):
+                    await self._wake.wait()
             self._wake.clear()
             self._engine_doing = "following the assignment"
             await self._follow_assignment(grads)

@@ -37,10 +37,8 @@ class DatasetCache:
             dataset = self._datasets.get(uri)
             if dataset is None:
                 try:
-                    dataset = await asyncio.wait_for(
-                        asyncio.to_thread(self._open, uri),
-                        self._open_timeout_s,
-                    )
+                    async with asyncio.timeout(self._open_timeout_s):
+                        dataset = await asyncio.to_thread(self._open, uri)
                 except TimeoutError:
                     raise DatasetUnavailable(
                         f"{uri}: did not open within {self._open_timeout_s:g}s"

@@ -165,7 +165,8 @@ class SharderService(Service):
     async def _loop(self, consumer: Consumer) -> None:
         while True:
             try:
-                received = await asyncio.wait_for(consumer.get(), self.settings.tick_s)
+                async with asyncio.timeout(self.settings.tick_s):
+                    received = await consumer.get()
             except TimeoutError:
                 received = None
             except ConsumerStopped:
@@ -299,9 +300,8 @@ class SharderService(Service):
         uri = job.spec.dataset.uri
         timeout_s = self.settings.dataset_open_timeout_s
         try:
-            dataset = await asyncio.wait_for(
-                asyncio.to_thread(open_dataset, uri, storage=self.storage), timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                dataset = await asyncio.to_thread(open_dataset, uri, storage=self.storage)
         except TimeoutError:
             raise _PlanFailed(f"dataset {uri} did not open within {timeout_s:g}s") from None
         except DatasetError as exc:
