@@ -28,8 +28,7 @@ async def running(
 
     The services run in the test's one event loop, beside each other and the broker clients,
     so a stop that leaves several consumer groups (each leave bounded: final commit 5 s, leave
-    4 s) may take longer than the 10 s a lone process gets: 30 s here (the clean-clone suite
-    saw an aggregator's and a trainer's stop run past 10 s)."""
+    4 s) on a loaded machine gets more than the 10 s a lone process gets: 30 s here."""
     service.stop_timeout_s = STOP_TIMEOUT_S
     serving = asyncio.create_task(service.serve())
     deadline = time.monotonic() + ready_timeout_s
