@@ -13,9 +13,13 @@ state. Folding rules (shared with the trainers):
 - an EvalResult counts once per eval batch id (a result whose ids are all covered is ignored).
 
 Decisions (``decide``): sync mode closes version v+1 once every live member has a pending
-contribution computed on v; ssp closes one contribution per version while
+contribution computed on v, or sooner when the pending ones hold the last train batches of the
+epoch (no other member can have anything for that step: an epoch whose batch count is not a
+multiple of the step's used to wait out ``empty_contribution_wait_s`` for the others' empty
+contributions, which the trainers then skip); ssp closes one contribution per version while
 ``current - base <= staleness``. Either mode rejects contributions that are too stale or carry
-an already-applied batch ("duplicate batches"); once training is finished every contribution
+an already-applied batch ("duplicate batches"), except an empty sync contribution whose step
+closed without it, which is dropped unanswered; once training is finished every contribution
 is rejected ("training finished"), so each one gets an answer. Nothing is decided while an
 earlier decision has not come back through the log.
 
@@ -211,10 +215,16 @@ class Coordinator:
         if contribution.contribution_id in self._seen:
             return
         self._seen.add(contribution.contribution_id)
-        self._pending[contribution.contribution_id] = contribution
+        if not self._superseded(contribution):
+            self._pending[contribution.contribution_id] = contribution
         self.grad_bytes_total += contribution.grad_bytes
         if self.first_sent_at is None:
             self.first_sent_at = contribution.sent_at
+
+    def _superseded(self, contribution: Contribution) -> bool:
+        """Sync: an empty contribution to a step that closed without it (the others' batches
+        ended the epoch). Nothing to answer: its trainer sees the close and moves on."""
+        return self.sync and not contribution.batch_ids and contribution.base_version < self.version
 
     def _fold_close(self, close: StepClose) -> None:
         if self.closes.get(close.version) == close:
@@ -245,6 +255,9 @@ class Coordinator:
                     self.config.job_id, close.version, contribution_id,
                 )  # fmt: skip
             self.max_staleness = max(self.max_staleness, entry.staleness)
+        for contribution_id, contribution in list(self._pending.items()):
+            if self._superseded(contribution):
+                del self._pending[contribution_id]
         self._applied_batches.update(close.batch_ids)
         self.epochs.applied(close.batch_ids, close.version)
         if close.num_samples > 0:
@@ -408,7 +421,7 @@ class Coordinator:
                 break
             else:
                 ready.append(contribution)
-        if not ready or (self.sync and not self._all_live_contributed(ready, now)):
+        if not ready or (self.sync and not self._step_complete(ready, now)):
             return Decisions(rejections=rejections)
         included: list[Contribution] = []
         batches: set[str] = set()
@@ -454,9 +467,12 @@ class Coordinator:
             reason=reason,
         )
 
-    def _all_live_contributed(self, ready: list[Contribution], now: float) -> bool:
+    def _step_complete(self, ready: list[Contribution], now: float) -> bool:
+        """Sync: every live member contributed, or ``ready`` ends the epoch."""
         contributors = {c.worker_id for c in ready}
-        return all(m.worker_id in contributors for m in self.members.live(now))
+        if all(m.worker_id in contributors for m in self.members.live(now)):
+            return True
+        return bool(self.epochs.would_end(sorted({b for c in ready for b in c.batch_ids})))
 
     def _close(self, included: list[Contribution], now: float) -> StepClose:
         batch_ids = [b for c in included for b in c.batch_ids]

@@ -246,7 +246,7 @@ class JobRunner:
             self.figures.contribution_applied(
                 samples=pending.num_samples, batches=len(pending.batches), loss_sum=pending.loss_sum
             )
-        else:
+        elif pending.batches:  # an empty one's step closed without it: nothing to redo
             self.figures.contribution_rejected()
             logger.info(
                 "job %s: contribution %s rejected (%s); recomputing its batches",
@@ -340,7 +340,9 @@ class JobRunner:
         else:
             computed, wait_s, inner_steps = await self._window(wanted, base)
         if not computed:
-            if plane.outstanding.mode == "sync" and not self._training_over():
+            # Not when the step closed without this trainer (the others ended the epoch).
+            closed = plane.control.version != base
+            if plane.outstanding.mode == "sync" and not self._training_over() and not closed:
                 pending = await plane.sender.send_empty(base, plane.control.current_epoch)
                 plane.outstanding.add(pending)
                 self.figures.empty_sent()
@@ -416,7 +418,13 @@ class JobRunner:
                 gathered = earlier + [c.batch for c in computed]
                 if gathered and self.plane.epoch_in_hand(gathered):
                     break  # the rest of the epoch is here: waiting would only stall the step
-                received, waited = await intake.receive(patience_s)
+                if gathered or deterministic:
+                    received, waited = await intake.receive(patience_s)
+                else:  # a sync step closes without it once the others' batches end the epoch
+                    with self.plane.listener.listening():
+                        received, waited = await intake.receive_unless(
+                            patience_s, lambda: self.plane.control.version != self.loaded_version
+                        )
                 wait_s += waited
                 if not received and not deterministic:
                     break

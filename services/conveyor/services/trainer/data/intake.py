@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 
@@ -28,6 +28,9 @@ from conveyor.services.trainer.plane.control import ControlState
 from conveyor.services.trainer.reporting.figures import TrainerFigures
 
 logger = logging.getLogger(__name__)
+
+_GIVE_UP_POLL_S = 0.02
+"""How often :meth:`BatchIntake.receive_unless` asks whether to stop waiting."""
 
 
 class BatchIntake:
@@ -150,6 +153,18 @@ class BatchIntake:
         self._admit(item)
         self._figures.batches_waiting(held=self.book.held, ready=prefetch.qsize())
         return True, waited
+
+    async def receive_unless(
+        self, timeout_s: float, given_up: Callable[[], bool]
+    ) -> tuple[bool, float]:
+        """:meth:`receive`, looking every :data:`_GIVE_UP_POLL_S` whether ``given_up()`` says
+        to stop waiting (then (False, waited) before ``timeout_s``)."""
+        waited_s = 0.0
+        while True:
+            received, waited = await self.receive(min(_GIVE_UP_POLL_S, timeout_s - waited_s))
+            waited_s += waited
+            if received or waited_s >= timeout_s or given_up():
+                return received, waited_s
 
     def done(self, batch_ids: Sequence[str]) -> None:
         """The log shows these batches' effect: acknowledge their deliveries, forget them."""
