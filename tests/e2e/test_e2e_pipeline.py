@@ -443,7 +443,14 @@ def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
     # process stopped (gracefully) and out of stack.json.
     wait_for(lambda: len(pool()) == 1, timeout_s=30, what="the pool back to one")
     wait_for(lambda: not is_alive(added.process), timeout_s=30, what="preprocessor-2 to stop")
-    status = autoscaler()
+
+    # The autoscaler publishes a decision after carrying it out, and the gateway reads it from
+    # the topic: its view can trail the process table by a poll.
+    def step_down_shown() -> dict[str, Any] | None:
+        status = autoscaler()
+        return status if status["changes"] - changes_before >= 2 else None
+
+    status = wait_for(step_down_shown, timeout_s=15, what="the gateway to show the step down")
     down = status["decisions"][0]
     assert (down["action"], down["replicas_before"], down["replicas_after"]) == ("down", 2, 1)
     assert "work is gone" in down["reason"]
