@@ -124,8 +124,12 @@ class AutoscalerService(Service):
             loads = await stack.enter_async_context(
                 TopicTail(self.kafka, topics.autoscaler, start="last")
             )
-            group.create_task(self._follow_loads(loads), name="autoscaler.loads")
+            loads_read = asyncio.Event()
+            group.create_task(self._follow_loads(loads, loads_read), name="autoscaler.loads")
+            # The first look sees the jobs topic and the preprocessors' last reports as they
+            # are: without the reports, a backlog alone would scale up beside idle ones.
             await reader.wait_ready()
+            await loads_read.wait()
             meter = Meter(lags=lags, view=self.view, load=self.load, topics=topics,
                           max_age_s=self.settings.signal_max_age_s)  # fmt: skip
             first = True
@@ -135,10 +139,13 @@ class AutoscalerService(Service):
                 first = False
                 await asyncio.sleep(self.settings.interval_s)
 
-    async def _follow_loads(self, tail: TopicTail) -> None:
+    async def _follow_loads(self, tail: TopicTail, read: asyncio.Event) -> None:
         """Fold the preprocessors' reports until cancelled (the topic's other records are the
-        autoscaler's own). A broker error ends the service: its supervisor restarts it."""
+        autoscaler's own); ``read`` is set once the last ones at start are folded. A broker
+        error ends the service: its supervisor restarts it."""
         while True:
+            if tail.caught_up:
+                read.set()
             for record in await tail.get_many(1.0):
                 if isinstance(record.message, PreprocessorLoad):
                     self.load.apply(record.message)
