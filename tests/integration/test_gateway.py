@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,21 @@ async def wait_for_state(gw: Gateway, job_id: str, state: str) -> dict[str, Any]
         await asyncio.sleep(0.05)
 
 
+async def wait_for_queue(
+    gw: Gateway, predicate: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """``/v1/queue`` once ``predicate`` holds of it. The view folds the jobs topic's partitions
+    as their records come back, in no order between partitions: events of different jobs (or
+    trainers) published one after another can show one at a time."""
+    deadline = time.monotonic() + 10
+    while True:
+        queue: dict[str, Any] = (await gw.client.get("/v1/queue")).json()
+        if predicate(queue):
+            return queue
+        assert time.monotonic() < deadline, f"the queue never got there: {queue}"
+        await asyncio.sleep(0.05)
+
+
 async def test_not_ready_until_the_jobs_topic_exists(kafka_settings: KafkaSettings) -> None:
     topics = Topics(kafka_settings.topic_prefix)
     async with serving_gateway(kafka_settings) as gw:
@@ -234,7 +249,7 @@ async def test_queue_shows_the_schedule_of_the_trainer_pool(
         ids[name] = (await gateway.client.post("/v1/jobs", json=spec)).json()["id"]
         await publish(kafka_settings, ids[name], ("planned", {}))
     await wait_for_state(gateway, ids["urgent"], "queued")
-    empty = (await gateway.client.get("/v1/queue")).json()
+    empty = await wait_for_queue(gateway, lambda q: len(q["queued"]) == 3)  # every plan folded
     assert empty["pool_size"] == 0 and empty["placed"] == []
     assert [(q["id"], q["position"]) for q in empty["queued"]] == [
         (ids["urgent"], 1), (ids["big"], 2), (ids["small"], 3)]  # fmt: skip
@@ -243,9 +258,11 @@ async def test_queue_shows_the_schedule_of_the_trainer_pool(
         for worker in ("trainer-a", "trainer-b"):
             presence = TrainerPresence(worker_id=worker, job_id=None, ttl_s=60.0)
             await producer.publish(Topics(kafka_settings.topic_prefix).jobs, presence, key=worker)
+    # The presences are keyed by worker: the view can show trainer-a alone for a moment, with
+    # urgent already planned on it. Wait for both in the pool; then the schedule is settled.
+    queue = await wait_for_queue(gateway, lambda q: q["pool_size"] == 2)
     body = await wait_for_state(gateway, ids["urgent"], "planned")
     assert body["queue_position"] is None and body["trainers"] == ["trainer-a"]
-    queue = (await gateway.client.get("/v1/queue")).json()
     assert queue["pool_size"] == 2 and queue["idle_trainers"] == ["trainer-b"]
     # big (2 trainers) heads the queue now and holds small back: FIFO within a priority.
     assert [(q["id"], q["position"], q["min_trainers"]) for q in queue["queued"]] == [
