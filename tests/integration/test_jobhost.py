@@ -93,8 +93,16 @@ async def test_one_job_at_a_time_oldest_first_with_the_outcome_of_each(
         await submit(kafka_settings, "j-fail", "fail")
         await submit(kafka_settings, "j-unbuildable", "unbuildable")
         await submit(kafka_settings, "j-flaky", "flaky")
+        # max_jobs = 1: only the oldest is taken while it runs. Once the host's view holds
+        # every job (a fixed sleep was no proof of that on a loaded machine), and a while after.
+        ids = ("j-wait", "j-done", "j-fail", "j-unbuildable", "j-flaky")
+
+        def all_known() -> bool:
+            return all((job := host.view.get(i)) is not None and job.servable for i in ids)
+
+        await eventually(all_known)
+        await eventually(lambda: host.attempts == ["j-wait"])
         await asyncio.sleep(0.5)
-        # max_jobs = 1: only the oldest is taken while it runs.
         assert host.attempts == ["j-wait"] and host.hosted_jobs == ["j-wait"]
 
         await publish(kafka_settings, "j-wait", "cancel_requested", reason="test")
@@ -107,14 +115,20 @@ async def test_one_job_at_a_time_oldest_first_with_the_outcome_of_each(
         # Then the others, oldest first; each one's end decides its event.
         await jobs.wait_for(lambda: jobs.of("failed", "j-unbuildable"), 20)
         await eventually(lambda: host.attempts.count("j-flaky") == 2)
+        # The two failures are keyed by job: they may sit on different partitions of the jobs
+        # topic, and the reader here need not have folded the earlier one yet.
+        await jobs.wait_for(lambda: jobs.of("failed", "j-fail"), 20)
         assert jobs.of("failed", "j-fail") == [{"reason": "it broke", "worker_id": "host-1"}]
         assert jobs.of("failed", "j-unbuildable")[0]["reason"] == "cannot build it"
         assert not jobs.of("failed", "j-done") and not jobs.of("failed", "j-flaky")
         assert host.attempts == ["j-wait", "j-done", "j-fail", "j-flaky", "j-flaky"]
         # Prepared again for the retry; never for the job that could not be built.
         assert host.prepared == ["j-wait", "j-done", "j-fail", "j-flaky", "j-flaky"]
+        # The flaky job's second attempt was counted as it began: its task ends after.
+        await eventually(lambda: host.hosted_jobs == [])
         await asyncio.sleep(0.3)
         assert host.hosted_jobs == []  # nothing is taken twice
+        assert host.attempts == ["j-wait", "j-done", "j-fail", "j-flaky", "j-flaky"]
 
 
 async def test_a_job_that_ends_is_let_go_and_a_stop_leaves_the_running_one(
