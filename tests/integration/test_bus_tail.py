@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
@@ -84,8 +85,10 @@ async def test_a_paused_tail_sends_no_fetches_and_catches_up_on_resume(
         assert [r.offset for r in await drain(tail, 1)] == [0]
 
         following = fetch_requests()
-        assert await tail.get_many(0.5) == []
-        assert fetch_requests() - following >= 5  # an empty fetch every 20 ms or so
+        deadline = time.monotonic() + 10  # a busy machine answers some fetches late
+        while fetch_requests() - following < 5:  # an empty fetch every 20 ms or so
+            assert await tail.get_many(0.5) == []
+            assert time.monotonic() < deadline, fetch_requests() - following
 
         tail.pause()
         await asyncio.sleep(0.1)  # a fetch sent before the pause comes back
