@@ -190,12 +190,17 @@ def test_readers_never_see_a_torn_or_mismatched_object(backend: Backend) -> None
     versions = [payload(1000 + 97 * i, seed=i) for i in range(8)]
     backend.store.put_bytes("hot", versions[0])
     stop = threading.Event()
+    read_once = threading.Event()
     errors: list[BaseException] = []
 
     def write() -> None:
         try:
-            for i in range(40):
+            # 40 writes, and on until the reader has read once: on a busy machine this thread
+            # could make all 40 before the reader's first look.
+            i = 0
+            while i < 40 or not read_once.is_set():
                 backend.store.put_bytes("hot", versions[i % len(versions)])
+                i += 1
         except BaseException as exc:  # reported by the assertion below
             errors.append(exc)
         finally:
@@ -204,10 +209,14 @@ def test_readers_never_see_a_torn_or_mismatched_object(backend: Backend) -> None
     writer = threading.Thread(target=write)
     writer.start()
     reads = 0
-    while not stop.is_set():
-        assert backend.store.get_bytes("hot") in versions
-        reads += 1
-    writer.join()
+    try:
+        while not stop.is_set():
+            assert backend.store.get_bytes("hot") in versions
+            reads += 1
+            read_once.set()
+    finally:
+        read_once.set()  # a failed read must not leave the writer writing
+        writer.join()
     assert errors == []
     assert reads > 0
 
