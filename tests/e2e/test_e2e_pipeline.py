@@ -39,6 +39,7 @@ from e2e_stack import (
     metric_sum,
     pack_dataset,
     running_stack,
+    wait_checkpoint_committed,
     wait_for,
     write_digits_npz,
 )
@@ -161,8 +162,10 @@ def test_normal_run_trains_every_sample_exactly_once(
     assert_exactly_once(stack.ledger(job_id), train_ids, epochs=2)
 
     # Its checkpoints in the stack's S3 store, as `conveyor checkpoints` lists them: the
-    # newest three (keep_last), the job's end the latest, equal to the exported model.
+    # newest three (keep_last), the job's end the latest, equal to the exported model. (The
+    # job's end is committed after the job turned completed: wait for the checkpointer.)
     final = job["summary"]["versions"]
+    wait_checkpoint_committed(stack.state_dir, job_id, final)
     cli = ("--state-dir", str(stack.state_dir))
     listed = conveyor("checkpoints", job_id, *cli, "--json", env=stack.env)
     assert listed.returncode == 0, listed.stderr
