@@ -134,6 +134,24 @@ def wait_for(
         time.sleep(interval_s)
 
 
+def wait_checkpoint_committed(
+    state_dir: Path, job_id: str, version: int, *, timeout_s: float = 60.0
+) -> None:
+    """Until a checkpointer of the stack in ``state_dir`` logged the commit of ``job_id``'s
+    checkpoint ``version``. The coordinator publishes ``completed`` once every slice *saved*
+    the job's last checkpoint; the checkpointer commits it (manifest, ``latest``, retention)
+    on its own time and logs that after the retention, so the store read right after the job
+    turned completed in the gateway may not have it yet."""
+    committed = f"job {job_id}: checkpoint v{version} committed ("
+
+    def logged() -> bool:
+        logs = (state_dir / "logs").glob("checkpointer*.log")
+        return any(committed in path.read_text(errors="replace") for path in logs)
+
+    wait_for(logged, timeout_s=timeout_s, interval_s=0.2,
+             what=f"a checkpointer to commit v{version} of job {job_id}")  # fmt: skip
+
+
 @dataclass
 class RunningStack:
     """A stack started by `conveyor up`, and what the tests do with it."""

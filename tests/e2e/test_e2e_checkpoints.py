@@ -23,7 +23,14 @@ from typing import Any
 
 import pytest
 import torch
-from e2e_stack import RunningStack, conveyor, digits_spec, running_stack, wait_for
+from e2e_stack import (
+    RunningStack,
+    conveyor,
+    digits_spec,
+    running_stack,
+    wait_checkpoint_committed,
+    wait_for,
+)
 from ledger_check import assert_exactly_once
 from safetensors.torch import load as load_tensors
 
@@ -100,6 +107,9 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     assert job["state"] == "completed", job.get("reason")
     assert_exactly_once(stack.ledger(job_id), stack.train_ids(job), epochs=CHAOS_EPOCHS)
     final = job["summary"]["versions"]
+    # The job turns completed once its last checkpoint is saved; its commit and the retention
+    # that clears the leftovers come after.
+    wait_checkpoint_committed(stack.state_dir, job_id, final)
 
     checkpoints = CheckpointStore(stack.store(), job_id)
     committed = checkpoints.committed_versions()

@@ -39,6 +39,7 @@ from e2e_stack import (
     metric_sum,
     pack_dataset,
     running_stack,
+    wait_checkpoint_committed,
     wait_for,
     write_digits_npz,
 )
@@ -161,8 +162,10 @@ def test_normal_run_trains_every_sample_exactly_once(
     assert_exactly_once(stack.ledger(job_id), train_ids, epochs=2)
 
     # Its checkpoints in the stack's S3 store, as `conveyor checkpoints` lists them: the
-    # newest three (keep_last), the job's end the latest, equal to the exported model.
+    # newest three (keep_last), the job's end the latest, equal to the exported model. (The
+    # job's end is committed after the job turned completed: wait for the checkpointer.)
     final = job["summary"]["versions"]
+    wait_checkpoint_committed(stack.state_dir, job_id, final)
     cli = ("--state-dir", str(stack.state_dir))
     listed = conveyor("checkpoints", job_id, *cli, "--json", env=stack.env)
     assert listed.returncode == 0, listed.stderr
@@ -408,7 +411,20 @@ def test_autoscaler_adds_a_preprocessor_to_a_starving_job_and_removes_it_after(
 
     # Earlier jobs of this stack may have grown the pool: it is back to 1 after the cooldown.
     wait_for(lambda: len(pool()) == 1, timeout_s=30, what="a pool of one preprocessor")
-    changes_before = autoscaler()["changes"]
+    # The count to start from once the gateway shows every change the autoscaler made: a step
+    # down is published after it is carried out (after stack.json), and the gateway reads it
+    # a poll later; counted one short, this job's up and an earlier down would pass for 2.
+    # (The autoscaler recorded at the start still runs: the kill test comes after this one.)
+    recorded = stack.service("autoscaler")
+
+    def gateway_caught_up() -> dict[str, Any] | None:
+        made = metric_sum(stack.metrics(recorded), "conveyor_autoscaler_decisions_total")
+        status = autoscaler()
+        return status if status["changes"] == made else None
+
+    changes_before = wait_for(
+        gateway_caught_up, timeout_s=15, what="the gateway to show every autoscaler change"
+    )["changes"]
     spec = digits_spec(
         "autoscale",
         epochs=8,
@@ -511,8 +527,16 @@ def test_every_service_killed_mid_job_is_back_and_the_job_trains_exactly_once(
     assert joined is not None, "the restarted trainer did not join the job"
     assert at_kill["progress"]["step"] <= int(joined.group(1)) < steps_total
     # The autoscaler's restarts (all but its own: the watchdog logs that one) are on its topic,
-    # shown by the gateway: each with the pid that died.
-    restarts = httpx.get(f"{stack.state.gateway_url}/v1/autoscaler", timeout=5).json()["restarts"]
+    # shown by the gateway (the restarted one folds that topic beside its readiness, which
+    # covers the jobs topic only): each with the pid that died.
+    expected = {name for name in KILL_ORDER if name != "autoscaler"}
+
+    def restarts_shown() -> list[dict[str, Any]] | None:
+        url = f"{stack.state.gateway_url}/v1/autoscaler"
+        shown: list[dict[str, Any]] = httpx.get(url, timeout=5).json()["restarts"]
+        return shown if expected <= {r["instance"] for r in shown} else None
+
+    restarts = wait_for(restarts_shown, timeout_s=30, what=f"the gateway to show {expected}")
     published = {r["instance"]: r["old_pid"] for r in restarts}
     assert published == {name: killed[name].process.pid for name in KILL_ORDER
                          if name != "autoscaler"}  # fmt: skip
