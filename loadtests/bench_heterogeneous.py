@@ -19,7 +19,7 @@ the trainers, not the preprocessor, are the bottleneck):
                    routed, each trainer owns half of the partitions)
     adaptive/ssp   adaptive, bounded staleness 2
 samples/s = the whole job's, from the coordinator's summary (samples trained / time from the
-first contribution to the last applied step). Each repeat runs the three in a rotated order;
+first step begun to the last applied step). Each repeat runs the three in a rotated order;
 figures are medians over repeats. The last line printed is one JSON object:
 {"adaptive_vs_equal": <sync adaptive / sync equal samples/s>,
  "ssp_vs_sync": <ssp adaptive / sync adaptive samples/s>}

@@ -7,15 +7,21 @@ epochs, on the same cores (1 torch thread per training process), trained by:
     sync      Conveyor's real stack (``conveyor up --scale trainer=2 --scale aggregator=2``),
               distribution.mode sync, submitted through the gateway;
     local     the same stack, distribution.mode local (DiLoCo-style), sync_every_steps H
-              (--window, default 8), the default outer optimizer (SGD lr 0.7, Nesterov 0.5).
+              (--window, default 8), the default outer optimizer (SGD lr 0.7, Nesterov 0.5);
+    local_overlap  local with overlap_steps (--overlap, default 2): that many inner steps of
+              the next window run while a window's delta travels (0: not run).
 Cases: small_cnn on sklearn digits (examples/digits.yaml, 5 epochs, the headline) and resnet18
 (width --resnet-width, group norm) on synthetic 3x32x32 (--resnet-n samples, --resnet-epochs).
 The baselines run while no stack is up. Reported per system, median over --repeats:
     samples/s          train samples / wall time of training (evaluations included; Conveyor:
-                       the coordinator's figure, first contribution to last step);
+                       from the StepCloses, the samples of every step after the first one
+                       that all trainers contributed to, over the time from that close to the
+                       last: the steady state, without the job's start (the batches group's
+                       join, a first window cut short by a rebalance), which made the
+                       coordinator's own figure swing by 2x between repeats in local mode);
     time to accuracy   seconds from the start of training to the first epoch end whose eval
-                       accuracy reaches the case's target (Conveyor: from the first contribution
-                       sent to the epoch_completed event);
+                       accuracy reaches the case's target (Conveyor: from the job's first
+                       step begun, as its summary counts, to the epoch_completed event);
     final accuracy     eval accuracy after the last epoch;
     bytes per sample   bytes the training processes send per train sample: DDP's ring
                        all-reduce, 2 (W - 1) x 4 N bytes per step of the global batch; Conveyor,
@@ -26,6 +32,8 @@ with a ``resnet18_`` prefix):
     {"local_vs_ddp_samples_per_s", "local_vs_ddp_time_to_accuracy", "sync_vs_ddp_samples_per_s",
      "local_accuracy_delta_vs_sync" (points, sync minus local),
      "bytes_per_sample_local_vs_sync"}
+then, with --overlap: "local_overlap_vs_ddp_samples_per_s", "local_overlap_vs_local_samples_per_s",
+"local_overlap_vs_ddp_time_to_accuracy", "local_overlap_accuracy_delta_vs_sync".
 
     .venv/bin/python -m loadtests.bench_time_to_accuracy              # 1 repeat
     .venv/bin/python -m loadtests.bench_time_to_accuracy --quick      # smoke run
@@ -43,14 +51,15 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from loadtests._bench_common import ConveyorStack, JobWatcher, scale_supported
+from loadtests._bench_common import ConveyorStack, scale_supported
+from loadtests.bench_aggregation import PlaneWatcher
 from loadtests.tta_baselines import run_baselines
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINERS = 2
 SLICES = 2
 JOB_TIMEOUT_S = 900.0
-SYSTEMS = ("plain", "ddp", "sync", "local")
+SYSTEMS = ("plain", "ddp", "sync", "local", "local_overlap")
 ERR = Console(stderr=True)
 
 
@@ -85,12 +94,12 @@ resources: {{device: cpu, threads: 1}}
     return cases
 
 
-def local_spec(spec: dict[str, Any], window: int) -> dict[str, Any]:
+def local_spec(spec: dict[str, Any], window: int, overlap: int = 0) -> dict[str, Any]:
     from conveyor.training.jobspec import JobSpec
 
     data = json.loads(json.dumps(spec))
-    data["name"] = f"{spec['name']}-local"
-    data["distribution"].update(mode="local", sync_every_steps=window)
+    data["name"] = f"{spec['name']}-local" + (f"-overlap{overlap}" if overlap else "")
+    data["distribution"].update(mode="local", sync_every_steps=window, overlap_steps=overlap)
     return JobSpec.from_dict(data).to_dict()
 
 
@@ -134,7 +143,7 @@ def run_job(
     with GatewayClient(stack.gateway_url) as client:
         client.wait_ready()
         job = client.submit(spec)
-    watcher = JobWatcher(
+    watcher = PlaneWatcher(
         bootstrap=stack.bootstrap,
         topic_prefix=KafkaSettings(bootstrap=stack.bootstrap).topic_prefix,
         job_id=job["id"],
@@ -150,7 +159,7 @@ def run_job(
     samples = int(summary["samples"])
     started_at = time.time()
     if summary["samples_per_second"]:
-        # The coordinator's window: first contribution sent .. last step closed.
+        # The coordinator's window: first step begun .. last step closed.
         ends = [at for name, at, _ in watcher.events if name == "completed"]
         started_at = ends[0] - samples / float(summary["samples_per_second"])
     epochs = [
@@ -159,13 +168,30 @@ def run_job(
         if name == "epoch_completed" and d.get("eval_accuracy") is not None
     ]
     sent = float(summary["grad_bytes_total"]) + int(summary["versions"]) * 4 * params
+    workers = {cid: worker for cid, (worker, _, samples) in watcher.contributions.items()
+               if samples}  # fmt: skip
+    steps = [(at, samples, {workers[c] for c in ids if c in workers})
+             for _, at, samples, ids in sorted(watcher.closes)]  # fmt: skip
+    rate = steady_rate(steps, int(spec["distribution"]["trainers"]))
     return {
-        "samples_per_s": float(summary["samples_per_second"]),
+        "samples_per_s": rate if rate is not None else float(summary["samples_per_second"]),
         "time_to_accuracy_s": time_to(epochs, target),
         "final_accuracy": float(summary["eval_accuracy"]),
         "bytes_per_sample": sent / samples,
         "versions": int(summary["versions"]),
     }
+
+
+def steady_rate(steps: list[tuple[float, int, set[str]]], trainers: int) -> float | None:
+    """Samples per second of ``steps`` ((closed_at, num_samples, workers that contributed
+    samples) in version order) after the first that ``trainers`` workers contributed to, over
+    the time from its close to the last; None when there is no such step with a later one."""
+    full = next((i for i, (_, _, who) in enumerate(steps) if len(who) >= trainers), None)
+    if full is None or full + 1 >= len(steps):
+        return None
+    elapsed = steps[-1][0] - steps[full][0]
+    samples = sum(n for _, n, _ in steps[full + 1 :])
+    return samples / elapsed if elapsed > 0 else None
 
 
 def median(values: list[float | None]) -> float | None:
@@ -200,6 +226,20 @@ def result_json(figures: dict[str, dict[str, dict[str, float | None]]]) -> dict[
                 local["bytes_per_sample"], sync["bytes_per_sample"]
             ),
         })  # fmt: skip
+        overlap = systems.get("local_overlap")
+        if overlap is None:
+            continue
+        delta = None
+        if sync["final_accuracy"] is not None and overlap["final_accuracy"] is not None:
+            delta = 100.0 * (sync["final_accuracy"] - overlap["final_accuracy"])
+        result.update({
+            f"{prefix}local_overlap_vs_ddp_samples_per_s": ratio(overlap[rate], ddp[rate]),
+            f"{prefix}local_overlap_vs_local_samples_per_s": ratio(overlap[rate], local[rate]),
+            f"{prefix}local_overlap_vs_ddp_time_to_accuracy": ratio(
+                overlap["time_to_accuracy_s"], ddp["time_to_accuracy_s"]
+            ),
+            f"{prefix}local_overlap_accuracy_delta_vs_sync": delta,
+        })  # fmt: skip
     return result
 
 
@@ -209,6 +249,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5, help="small_cnn epochs")
     parser.add_argument("--target", type=float, default=0.95, help="small_cnn target accuracy")
     parser.add_argument("--window", type=int, default=8, help="local mode's sync_every_steps")
+    parser.add_argument(
+        "--overlap", type=int, default=2, help="local_overlap's overlap_steps (0: not run)"
+    )
     parser.add_argument("--resnet-width", type=int, default=16)
     parser.add_argument("--resnet-n", type=int, default=2048, help="synthetic samples")
     parser.add_argument("--resnet-epochs", type=int, default=2, help="0: no resnet18 case")
@@ -236,7 +279,10 @@ def main() -> None:
         stack.start()
         try:
             for case, (spec, target) in cases.items():
-                for system, job in (("sync", spec), ("local", local_spec(spec, args.window))):
+                jobs = [("sync", spec), ("local", local_spec(spec, args.window))]
+                if args.overlap:
+                    jobs.append(("local_overlap", local_spec(spec, args.window, args.overlap)))
+                for system, job in jobs:
                     measured = run_job(stack, job, target, params[case])
                     runs.setdefault((case, system), []).append(measured)
                     ERR.log(f"repeat {repeat + 1} {case} {system}: {measured}")
@@ -247,6 +293,7 @@ def main() -> None:
         case: {
             system: {key: median([r[key] for r in runs[(case, system)]]) for key in keys}
             for system in SYSTEMS
+            if (case, system) in runs
         }
         for case in cases
     }

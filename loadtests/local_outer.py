@@ -4,7 +4,10 @@ fits which inner one.
 Two simulated trainers each take H steps of the job's optimizer (inner) on their micro-batch of
 each global batch (the demo: 2 x 32), from the current version; the sample-weighted mean of
 their parameter deltas is the outer gradient of one outer optimizer step, as the slice owners
-apply it. No broker: seconds per setting.
+apply it. A setting with overlap_steps (tau) takes the first tau inner steps of each window
+after the first on the trainer's own parameters as its last window ended, then moves them onto
+the new version keeping their progress (``new + (local - sent)``), as the trainers do. No
+broker: seconds per setting.
 
     .venv/bin/python -m loadtests.local_outer --seeds 2
 
@@ -33,6 +36,7 @@ from conveyor.training.slicing import ParamLayout, build_job_model
 DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "digits.yaml"
 TRAINERS = 2
 
+DEFAULT_OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.5, "nesterov": True}
 SETTINGS: dict[str, tuple[int, dict[str, Any] | None, dict[str, Any] | None]] = {
     # name: (H, inner optimizer (None: the demo's), outer optimizer (None: sync, no outer))
     "sync": (1, None, None),
@@ -49,12 +53,22 @@ SETTINGS: dict[str, tuple[int, dict[str, Any] | None, dict[str, Any] | None]] = 
     "H8 inner adamw 1e-3, outer nesterov lr 0.7 m 0.9": (
         8, {"name": "adamw", "lr": 0.001},
         {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}),
+    "H8 default outer, overlap_steps 1": (8, None, DEFAULT_OUTER),
+    "H8 default outer, overlap_steps 2": (8, None, DEFAULT_OUTER),
+    "H8 default outer, overlap_steps 4": (8, None, DEFAULT_OUTER),
 }  # fmt: skip
+
+
+def overlap_of(setting: str) -> int:
+    """The overlap_steps a setting's name ends with (0: none)."""
+    head, _, steps = setting.rpartition("overlap_steps ")
+    return int(steps) if head else 0
 
 
 def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
     """Eval accuracy of the digits demo trained with ``setting`` (a key of SETTINGS)."""
     window, inner_spec, outer_spec = SETTINGS[setting]
+    overlap = overlap_of(setting)
     data: dict[str, Any] = yaml.safe_load(DEMO_SPEC.read_text())
     data["training"].update(seed=seed, epochs=epochs)
     if inner_spec is not None:
@@ -98,9 +112,15 @@ def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
             delta = torch.zeros_like(version)  # [N]
             samples = 0
             for rank, (replica, inner) in enumerate(zip(replicas, inners, strict=True)):
-                layout.load_flat(replica, version.detach())
+                carried = overlap if first > 0 else 0
+                sent = layout.flatten_params(replica)  # [N], as its last window ended
+                if not carried:
+                    layout.load_flat(replica, version.detach())
                 mine = 0
-                for rows in window_steps:
+                for index, rows in enumerate(window_steps):
+                    if index == carried > 0:  # the new version is in: move onto it
+                        moved = version.detach() + (layout.flatten_params(replica) - sent)
+                        layout.load_flat(replica, moved)
                     part = rows[rank * micro : (rank + 1) * micro]
                     if len(part) == 0:
                         continue
@@ -108,6 +128,9 @@ def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
                     inner.step()
                     replica.zero_grad(set_to_none=True)
                     mine += len(part)
+                if carried >= len(window_steps) > 0:  # a short window: every step carried
+                    moved = version.detach() + (layout.flatten_params(replica) - sent)
+                    layout.load_flat(replica, moved)
                 delta += (version.detach() - layout.flatten_params(replica)) * mine
                 samples += mine
             version.grad = delta / samples

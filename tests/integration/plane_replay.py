@@ -127,7 +127,10 @@ def replay_local(
     Each trainer keeps its inner optimizer (``make_inner``, the job's lr) across its windows,
     over one flat parameter [N]; a window starts from this replay's parameters of its base
     version and takes one inner step per entry of ``Contribution.inner_steps`` on the next
-    batches of ``batch_ids`` (gradient of their summed loss / their samples). The close's
+    batches of ``batch_ids`` (gradient of their summed loss / their samples). A window with
+    ``carried_steps`` (overlap_steps) takes those first steps on the trainer's parameters as
+    its previous window ended (``sent``), then moves them onto the base version keeping their
+    progress, ``base + (local - sent)``, and takes the rest there. The close's
     outer gradient is the sum of ``(base - local) * num_samples`` over its contributions, in
     the close's order, divided by its num_samples; one outer step (``make_outer``) at the
     close's lr.
@@ -150,12 +153,19 @@ def replay_local(
                     inner[entry.worker_id] = (local, make_inner([local]))
                 local, optimizer = inner[entry.worker_id]
                 base = versions[entry.base_version]
-                with torch.no_grad():
-                    local.copy_(base)
+                sent = local.detach().clone()
+                if not contribution.carried_steps:
+                    with torch.no_grad():
+                        local.copy_(base)
                 batch_ids = list(contribution.batch_ids)
                 assert sum(contribution.inner_steps) == len(batch_ids), contribution
                 samples = 0
-                for passes in contribution.inner_steps:
+                for index, passes in enumerate([*contribution.inner_steps, 0]):
+                    if index == contribution.carried_steps > 0:
+                        with torch.no_grad():
+                            local.copy_(base + (local - sent))
+                    if not passes:
+                        break  # past the last step: only the move above is left
                     step_batches, batch_ids = batch_ids[:passes], batch_ids[passes:]
                     grad, n = replica.gradient(local.detach().clone(), step_batches)
                     local.grad = grad / n

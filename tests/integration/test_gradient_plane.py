@@ -351,6 +351,17 @@ async def test_local_mode_of_one_inner_step_and_outer_sgd_of_lr_1_is_sync(plane:
     assert drift <= 1e-3, drift
 
 
+def assert_replays_local_sgd(run: Run) -> None:
+    """Every version of a local-mode run of SPEC's SGD with the default outer step equals
+    its in-process replay."""
+    replayed = replay_local(
+        run,
+        make_inner=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        make_outer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True),
+    )
+    assert_replays(run, OPTIMIZERS["sgd"][1], replayed=replayed)
+
+
 async def test_local_mode_is_inner_steps_then_an_outer_nesterov_step_at_every_version(
     plane: Plane,
 ) -> None:
@@ -363,11 +374,25 @@ async def test_local_mode_is_inner_steps_then_an_outer_nesterov_step_at_every_ve
     windows = [c.inner_steps for c in run.contributions.values() if c.num_samples]
     assert max(map(len, windows)) == window and all(len(w) <= window for w in windows)
     assert_exactly_once(plane.objects, run.job_id, run.spec)
-    replayed = replay_local(
-        run,
-        make_inner=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-        make_outer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True),
-    )
-    assert_replays(run, OPTIMIZERS["sgd"][1], replayed=replayed)
+    assert_replays_local_sgd(run)
     # One contribution per window: about 1/window of sync's versions for the same samples.
     assert run.final_version <= math.ceil(run.summary["samples"] / 64 / window) + 2
+
+
+async def test_local_mode_overlapped_steps_move_onto_the_new_version_keeping_their_progress(
+    plane: Plane,
+) -> None:
+    window, overlap = 4, 2
+    spec = spec_with(mode="local", sync_every_steps=window, overlap_steps=overlap)
+    run = await plane.run("local-overlap", spec)
+
+    assert not run.rejections
+    contributions = [c for c in run.contributions.values() if c.num_samples]
+    carried = [c.carried_steps for c in contributions]
+    # Both trainers had batches in hand while their deltas travelled (24 batches of lead).
+    assert sum(1 for c in carried if c > 0) >= 2, carried
+    assert all(0 <= c <= overlap for c in carried) and all(
+        len(c.inner_steps) <= window for c in contributions
+    )
+    assert_exactly_once(plane.objects, run.job_id, run.spec)
+    assert_replays_local_sgd(run)

@@ -241,7 +241,10 @@ async def test_a_trainer_killed_mid_window_loses_nothing_and_counts_nothing_twic
     # The victim trains alone first, slowed down (the simulation knob) so that its window of
     # 8 inner steps is still running when the second trainer has joined and it is killed.
     # The job is elastic (it runs with one trainer and grows to two).
-    spec = {**LOCAL_SPEC, "distribution": {**LOCAL_SPEC["distribution"], "min_trainers": 1}}
+    # The next window's first steps overlap the round trip (departure 37): the carried steps
+    # of a window the kill cut off must be lost and redone like the rest of it.
+    distribution = {**LOCAL_SPEC["distribution"], "min_trainers": 1, "overlap_steps": 2}
+    spec = {**LOCAL_SPEC, "distribution": distribution}
     victim = trainer_process(kafka, "t-victim", delay_s=0.1)
     try:
         async with job_log(kafka) as (topics, jobs), pipeline(kafka, objects):

@@ -581,3 +581,23 @@ def test_contributions_the_ledger_cannot_account_for_are_rejected() -> None:
     ]
     echo(c, decisions)
     assert c.ledger.epochs() == [] and c.rejected == 3
+
+
+def test_the_summary_counts_samples_per_second_from_the_first_step_begun() -> None:
+    """A local-mode window's samples count with its time: the window opens when the first
+    step began (``started_at``), not when its contribution was sent after it."""
+    from dataclasses import replace
+
+    from conveyor.services.aggregator.finish import summarise
+
+    c = coordinator()
+    c.fold(beat("a", T0, 100.0))
+    c.fold(beat("b", T0, 100.0))
+    c.fold(replace(contrib("a", 0, [batch(0, 0), batch(0, 1)], at=T0), started_at=T0 - 2.0))
+    c.fold(replace(contrib("b", 0, [batch(0, 2), batch(0, 3)], at=T0 + 0.5), started_at=T0 - 1.0))
+    echo(c, c.decide(T0 + 1.0))
+    assert c.first_started_at == T0 - 2.0
+    assert summarise(c, "file:///m")["samples_per_second"] == pytest.approx(4 / 3.0)
+    empty = coordinator()  # no stamps (an empty contribution, an older trainer): sent_at
+    empty.fold(contrib("a", 0, [], at=T0 + 3.0))
+    assert empty.first_started_at == T0 + 3.0

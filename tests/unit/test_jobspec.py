@@ -336,6 +336,17 @@ def test_max_bad_samples_range() -> None:
             ("overlap_backward",),
             "applies to modes sync and ssp",
         ),
+        ({"mode": "sync", "overlap_steps": 2}, ("overlap_steps",), "mode local only"),
+        (
+            {"mode": "local", "sync_every_steps": 4, "overlap_steps": 4},
+            ("overlap_steps",),
+            "must be less than sync_every_steps (4)",
+        ),
+        (
+            {"mode": "local", "sync_every_steps": 4, "overlap_steps": -1},
+            ("overlap_steps",),
+            "greater than or",
+        ),
     ],
 )  # fmt: skip
 def test_local_mode_rules(distribution: dict[str, Any], loc: tuple[str], fragment: str) -> None:
@@ -374,6 +385,13 @@ def test_local_mode_defaults_to_an_outer_nesterov_and_needs_a_window_of_lead() -
     data["flow"] = {"max_lead_batches": 64}  # a window is 40 steps x 2 micro-batches = 80
     [(error_loc, msg)] = errors_of(data)
     assert error_loc == ("flow",) and "must hold one local-mode window" in msg
+    # Overlapped steps take the next window's batches while the last window's wait.
+    data = spec_with("distribution", {"mode": "local", "sync_every_steps": 30, "overlap_steps": 3})
+    data["flow"] = {"max_lead_batches": 64}  # (30 + 3) x 2 = 66
+    [(error_loc, msg)] = errors_of(data)
+    assert error_loc == ("flow",) and "= 66" in msg
+    data["flow"] = {"max_lead_batches": 66}
+    assert JobSpec.model_validate(data).distribution.overlap_steps == 3
 
 
 @pytest.mark.parametrize(

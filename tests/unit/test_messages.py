@@ -44,10 +44,10 @@ def test_schemas_are_registered_with_name_and_version() -> None:
     versions = {cls.TYPE: cls.VERSION for cls in classes}
     # ShardTask v2: + routing; v3: + incarnation; v4: partitions instead of routing.
     # Contribution v2: + epoch, sample_ids;
-    # v3: + inner_steps; v4: + the step's stamps. Batch v2: + token sequences
+    # v3: + inner_steps; v4: + the step's stamps; v5: + carried_steps. Batch v2: + token sequences
     assert versions == {
         "DeadLetter": 1, "ShardTask": 4, "Batch": 2, "Heartbeat": 2, "JobSubmitted": 1,
-        "JobPlanned": 1, "JobFailed": 1, "Contribution": 4,
+        "JobPlanned": 1, "JobFailed": 1, "Contribution": 5,
     }  # fmt: skip
 
 

@@ -94,6 +94,16 @@ class FakeConsumer:
     async def joined(self) -> None:
         await self.joined_group.wait()
 
+    settled_group: asyncio.Event = field(default_factory=asyncio.Event)
+    """Cleared: a rebalance is under way (once joined)."""
+
+    @property
+    def rebalancing(self) -> bool:
+        return self.joined_group.is_set() and not self.settled_group.is_set()
+
+    async def settled(self) -> None:
+        await self.settled_group.wait()
+
 
 class QueueSource:
     def __init__(self) -> None:
@@ -122,8 +132,12 @@ def batch_record(offset: int, k: int, epoch: int = 0, split: str = "train") -> R
     )  # fmt: skip
 
 
-def spec(mode: str, staleness: int = 0, window: int | None = None) -> dict[str, Any]:
+def spec(
+    mode: str, staleness: int = 0, window: int | None = None, overlap: int = 0
+) -> dict[str, Any]:
     local = {"sync_every_steps": window} if window is not None else {}
+    if overlap:
+        local["overlap_steps"] = overlap
     return {
         "name": "steps",
         "model": {"name": "mlp", "hidden_sizes": [8]},
@@ -187,12 +201,13 @@ async def harness(
     staleness: int = 0,
     *,
     window: int | None = None,
+    overlap: int = 0,
     empty_wait_s: float = 0.2,
     joined: bool = True,
 ) -> AsyncIterator[Harness]:
     """``joined``: the batches consumer has joined its group already."""
     view = JobView(
-        job_id=JOB, name="steps", spec=spec(mode, staleness, window), idempotency_key=None,
+        job_id=JOB, name="steps", spec=spec(mode, staleness, window, overlap), idempotency_key=None,
         submitted_at=0.0, updated_at=0.0, stage_window=8, state="planned", plan=PLAN,
     )  # fmt: skip
     settings = TrainerSettings(worker_id=ME, empty_contribution_wait_s=empty_wait_s)
@@ -200,6 +215,7 @@ async def harness(
     producer, consumer, source = FakeProducer(), FakeConsumer(), QueueSource()
     if joined:
         consumer.joined_group.set()
+        consumer.settled_group.set()
     compute, copy = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
     runner = JobRunner(
         session,
@@ -439,3 +455,70 @@ async def test_a_local_window_waits_for_no_batch_past_the_epochs_whole_steps() -
         [window] = h.contributions()
         assert window.base_version == 1 and window.inner_steps == [1, 1, 1, 1]
         assert window.batch_ids == [f"{JOB}:e0:train:00000:b{k:03d}" for k in range(4)]
+
+
+def ids(*ks: int) -> list[str]:
+    return [f"{JOB}:e0:train:00000:b{k:03d}" for k in ks]
+
+
+async def overlapped(h: Harness, steps: int) -> None:
+    async with asyncio.timeout(20):
+        while h.runner.figures.overlapped_steps < steps:  # noqa: ASYNC110 (a figure: no event)
+            await asyncio.sleep(0.01)
+
+
+async def test_local_overlapped_steps_run_before_the_close_and_finish_on_the_new_version() -> None:
+    async with harness("local", window=2, overlap=1) as h:
+        h.feed(*range(8))
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [first] = h.contributions()
+        assert first.inner_steps == [2, 2] and first.carried_steps == 0
+        await overlapped(h, 1)  # batches 4 and 5, while version 1 is not decided
+        assert h.runner.loaded_version == 0 and len(h.contributions()) == 1
+        h.log(close(1, [first], {ME: 2}))
+        h.params(1)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 2)
+        second = h.contributions()[1]
+        assert (second.base_version, second.inner_steps, second.carried_steps) == (1, [2, 2], 1)
+        assert second.batch_ids == ids(4, 5, 6, 7)
+        assert h.runner.figures.overlapped_steps == 1  # the close was in: no second overlap
+
+
+async def test_local_overlapped_steps_of_a_rejected_window_are_recomputed_from_its_version() -> (
+    None
+):
+    async with harness("local", window=2, overlap=1) as h:
+        h.feed(*range(8))
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [first] = h.contributions()
+        await overlapped(h, 1)
+        h.log(Rejection(job_id=JOB, contribution_id=first.contribution_id, worker_id=ME,
+                        current_version=0, reason="test"))  # fmt: skip
+        await h.producer.wait_for(lambda: len(h.contributions()) == 2)
+        second = h.contributions()[1]
+        # Not moved onto anything: the window starts afresh on version 0 and takes the
+        # overlapped batches back first, then the rejected window's.
+        assert (second.base_version, second.carried_steps) == (0, 0)
+        assert second.batch_ids == ids(4, 5, 0, 1) and second.inner_steps == [2, 2]
+
+
+async def test_a_sync_step_waits_out_a_rebalance_instead_of_sending_empty_steps() -> None:
+    """While the batches group rebalances no batch can come to anyone: an empty contribution
+    every empty_contribution_wait_s would make a version without samples each time."""
+    async with harness("sync") as h:
+        h.feed(0, 1)
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        h.log(close(1, h.contributions(), {ME: 2}))
+        h.consumer.settled_group.clear()  # a trainer joins: the group rebalances
+        h.params(1)
+        await asyncio.sleep(0.6)  # 3 x empty_contribution_wait_s
+        assert len(h.contributions()) == 1
+        h.feed(2, 3)  # the new assignment delivers
+        h.consumer.settled_group.set()
+        await h.producer.wait_for(lambda: len(h.contributions()) == 2)
+        second = h.contributions()[1]
+        assert second.base_version == 1 and second.batch_ids == ids(2, 3)
+        assert h.runner.figures.empty_contributions == 0

@@ -111,6 +111,9 @@ class Consumer(AsyncLifecycle):
         self._resting = False
         self._capacity = asyncio.Event()
         self._joined = asyncio.Event()
+        self._settled = asyncio.Event()
+        """Set while this member holds an assignment: cleared when a rebalance revokes it, set
+        again with the next one."""
         self._get_lock = asyncio.Lock()
         self._next_commit_at = 0.0
         self._runs_idle = asyncio.Event()
@@ -211,6 +214,17 @@ class Consumer(AsyncLifecycle):
         Before it nothing can be delivered; the join completes in the background after
         :meth:`start`."""
         await self._joined.wait()
+
+    @property
+    def rebalancing(self) -> bool:
+        """Joined once, and a rebalance took the assignment away and has not given the next
+        one yet: nothing can be delivered meanwhile (the group's members all wait for it)."""
+        return self._joined.is_set() and not self._settled.is_set()
+
+    async def settled(self) -> None:
+        """Until this member holds an assignment (at once when it does; the first one is
+        :meth:`joined`)."""
+        await self._settled.wait()
 
     def assignment(self) -> frozenset[TopicPartition]:
         """Partitions currently assigned to this member (empty before the first join)."""
@@ -498,6 +512,7 @@ class Consumer(AsyncLifecycle):
         self._in_flight.committed(offsets)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._settled.clear()
         consumer = self._consumer
         if consumer is not None:
             try:
@@ -512,6 +527,7 @@ class Consumer(AsyncLifecycle):
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._in_flight.assign(assigned)
         self._joined.set()
+        self._settled.set()
         for tp in assigned:
             self._holes.forget(tp)
         # A new assignment starts unpaused; keep the bound if handlers still hold records.

@@ -51,7 +51,7 @@ class GradSlice(Message):
     """Unix seconds."""
 
 
-@message("Contribution", version=4)
+@message("Contribution", version=5)
 @dataclass(kw_only=True, slots=True)
 class Contribution(Message):
     """Sent by a trainer on ``Topics.control(job_id)`` after ALL of its GradSlices were
@@ -65,6 +65,7 @@ class Contribution(Message):
     stamps (``params_published_at`` .. ``computed_at``): with ``sent_at`` and the StepCloses'
     ``closed_at`` they time each hop of a step (``loadtests/plane_hops.py``). They are Unix
     seconds of different processes' clocks: across machines only as good as their sync.
+    Version 5 added ``carried_steps`` (local mode's ``overlap_steps``).
     """
 
     job_id: str
@@ -99,6 +100,12 @@ class Contribution(Message):
     """Local mode: the forward/backward passes (micro-batches) of each inner optimizer step
     of the window, in order (their sum is the passes in ``sample_ids``); empty in sync and
     ssp mode (one step). Added in version 3."""
+    carried_steps: int = 0
+    """Local mode with ``overlap_steps``: how many of ``inner_steps`` (the first ones) ran
+    before ``base_version`` was in, on the trainer's parameters as its previous window ended,
+    which it then moved onto ``base_version`` keeping their progress
+    (``base + (current - sent)``); 0: the window started on ``base_version``. Added in
+    version 5."""
     params_published_at: float | None = None
     """The latest ``ParamSlice.published_at`` of ``base_version``'s slices (Unix seconds).
     Added in version 4, as are the next three; all four are None in an empty contribution
@@ -120,6 +127,11 @@ class Contribution(Message):
             )
         if any(passes < 1 for passes in self.inner_steps):
             raise ValueError(f"every inner step has >= 1 pass, got {self.inner_steps}")
+        if not 0 <= self.carried_steps <= len(self.inner_steps):
+            raise ValueError(
+                f"carried_steps must be within the {len(self.inner_steps)} inner steps, got "
+                f"{self.carried_steps}"
+            )
         import torch  # loaded already: sample_ids is a tensor
 
         ids = self.sample_ids

@@ -66,6 +66,13 @@ class DistributionSpec(_Spec):
     sync_every_steps: int | None = Field(default=None, ge=1, le=100_000, validate_default=True)
     """local: H, the inner optimizer steps (each of the global batch, split over the trainers
     as in sync mode) between two outer steps; required for local, only for local."""
+    overlap_steps: int = Field(default=0, ge=0, le=100_000)
+    """local: up to this many inner steps of the next window run while the window's delta
+    travels and its outer step is applied (Streaming DiLoCo's overlap); then the trainer moves
+    its parameters onto the new version keeping the progress of those steps
+    (``new + (current - sent)``) and finishes the window there. A step only takes batches
+    already in hand; 0: wait for the new version before the next window (plain DiLoCo). At
+    most ``sync_every_steps - 1``; only for local."""
     outer_optimizer: OptimizerSpec | None = Field(default=None, validate_default=True)
     """local: the optimizer the aggregators apply to the mean parameter delta (the outer
     gradient); None: SGD lr 0.7 with Nesterov momentum 0.5 (DiLoCo's lr; its momentum 0.9
@@ -167,6 +174,21 @@ class DistributionSpec(_Spec):
             raise ValueError("sync_every_steps is required when mode is local (e.g. 8)")
         if mode is not None and mode != "local" and steps is not None:
             raise ValueError(f"sync_every_steps applies to mode local only, not {mode}")
+        return steps
+
+    @field_validator("overlap_steps")
+    @classmethod
+    def _overlap_within_a_window(cls, steps: int, info: ValidationInfo) -> int:
+        if steps == 0:
+            return steps
+        mode, window = info.data.get("mode"), info.data.get("sync_every_steps")
+        if mode is not None and mode != "local":
+            raise ValueError(f"overlap_steps applies to mode local only, not {mode}")
+        if window is not None and steps >= window:
+            raise ValueError(
+                f"overlap_steps ({steps}) must be less than sync_every_steps ({window}): the "
+                "window's own steps finish on the new version"
+            )
         return steps
 
     @field_validator("outer_optimizer")

@@ -96,13 +96,13 @@ class JobSpec(_Spec):
             return flow
         # A window's batches are acknowledged only once its outer step closes, so the
         # sharder's lead must let one window's worth be released at a time.
-        window = distribution.sync_every_steps * (
-            training.global_batch_size // training.micro_batch_size
-        )
+        # Overlapped steps take the next window's batches while these wait (no help without).
+        steps = distribution.sync_every_steps + distribution.overlap_steps
+        window = steps * (training.global_batch_size // training.micro_batch_size)
         if flow.max_lead_batches < window:
             raise ValueError(
                 f"max_lead_batches ({flow.max_lead_batches}) must hold one local-mode window: "
-                f"sync_every_steps x micro-batches per step = {window}"
+                f"(sync_every_steps + overlap_steps) x micro-batches per step = {window}"
             )
         return flow
 

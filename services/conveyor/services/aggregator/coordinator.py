@@ -153,7 +153,10 @@ class Coordinator:
         self.step_losses: list[float] = []
         """Mean training loss of every step with samples, in step order: what the applied
         contributions say their trainers computed (``loss_sum / num_samples``)."""
-        self.first_sent_at: float | None = None
+        self.first_started_at: float | None = None
+        """When the job's first step began (Unix seconds): the earliest ``started_at`` of its
+        contributions, ``sent_at`` for one without stamps. The summary's samples/s counts from
+        it, so a local-mode window's time counts with its samples."""
         self.last_closed_at: float | None = None
         self.epochs = EpochBook(
             epochs=config.spec.training.epochs,
@@ -218,8 +221,9 @@ class Coordinator:
         if not self._superseded(contribution):
             self._pending[contribution.contribution_id] = contribution
         self.grad_bytes_total += contribution.grad_bytes
-        if self.first_sent_at is None:
-            self.first_sent_at = contribution.sent_at
+        begun = contribution.sent_at if contribution.started_at is None else contribution.started_at
+        if self.first_started_at is None or begun < self.first_started_at:
+            self.first_started_at = begun
 
     def _superseded(self, contribution: Contribution) -> bool:
         """Sync: an empty contribution to a step that closed without it (the others' batches

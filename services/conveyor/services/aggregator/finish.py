@@ -75,7 +75,7 @@ def summarise(coordinator: Coordinator, model_uri: str) -> dict[str, Any]:
     if coordinator.config.spec.language_model:
         loss = last.eval_loss if last else None
         language["eval_perplexity"] = math.exp(min(loss, 700.0)) if loss is not None else None
-    started, ended = coordinator.first_sent_at, coordinator.last_closed_at
+    started, ended = coordinator.first_started_at, coordinator.last_closed_at
     elapsed_s = (ended - started) if started is not None and ended is not None else 0.0
     steps = coordinator.steps
     run_samples = coordinator.samples_trained - coordinator.samples_before_resume  # this run's

@@ -12,6 +12,8 @@ Reads as the loop it runs::
         none within empty_contribution_wait_s -> an empty contribution (sync; a deterministic
             job waits for its step's micro-batches instead, taken in plan order)
         local mode: take an inner optimizer step, gather again, for sync_every_steps steps
+            (overlap_steps: the first of them may run while the last window's delta travels,
+            on the batches in hand, and are then moved onto the new version)
         flat gradient (local: the window's weighted parameter delta) -> K slices -> encode ->
             send all GradSlices (sync, ssp: each as the last backward completes it), await
             acks -> Contribution (its batch ids, the sample ids of every pass it ran)
@@ -38,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -79,6 +82,18 @@ _FOLLOW_POLL_S = 0.5
 _EVAL_ONLY_POLL_S = 1.0
 _LEAVE_TIMEOUT_S = 2.0
 """How long a trainer leaving a job tries to send its leaving heartbeat."""
+
+
+@dataclass(slots=True)
+class Window:
+    """Local mode: a window's passes so far, with the passes of each inner step (sync, ssp:
+    the step's passes alone); the first ``carried`` steps ran before its base version was in
+    (overlap_steps)."""
+
+    computed: list[Computed] = field(default_factory=list)
+    inner_steps: list[int] = field(default_factory=list)
+    wait_s: float = 0.0
+    carried: int = 0
 
 
 class JobRunner:
@@ -133,6 +148,8 @@ class JobRunner:
         self.loaded_version: int | None = None
         self._window_moved = False
         """Local mode: inner steps moved the model away from ``loaded_version``."""
+        self._carry_lost = False
+        """Local mode's overlap: the window the carried steps continue was rejected."""
         self._undo: list[EncodedGrad] = []
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
         self._tracer = trace.get_tracer(TRACER_NAME)
@@ -248,6 +265,7 @@ class JobRunner:
             )
         elif pending.batches:  # an empty one's step closed without it: nothing to redo
             self.figures.contribution_rejected()
+            self._carry_lost = True
             logger.info(
                 "job %s: contribution %s rejected (%s); recomputing its batches",
                 self.session.job_id, pending.contribution_id, outcome.reason,
@@ -261,18 +279,23 @@ class JobRunner:
 
     async def _train(self) -> None:
         listener, first = self.plane.listener, True
+        if self.plane.control.version == 0:
+            # A fresh job: no batch can come before the batches group is joined. Start-up, not
+            # a step: the first step's stamps (and the job's samples/s) begin after it.
+            await self.intake.joined()
         while not self._training_over():
+            carried = await self._overlap()
             started = time.perf_counter()
             await listener.wait_for(lambda: self._may_start() or self._training_over())
             if self._training_over():
-                break
-            await self._load_newest()
+                break  # carried steps' batches stay unacknowledged: the job ends here
+            carried = await self._load_newest(carried)
             # The first wait is for the job's first parameters: start-up, not the plane's cost.
             param_wait_s = 0.0 if first else time.perf_counter() - started
             first = False
             self.figures.params_waited(param_wait_s)
             with listener.quiet():
-                await self._step(param_wait_s, started_at=time.time())
+                await self._step(param_wait_s, started_at=time.time(), carried=carried)
         logger.info(
             "job %s: training over at version %d; evaluating until the job ends",
             self.session.job_id, self.plane.control.version,
@@ -292,9 +315,12 @@ class JobRunner:
         waiting = max(control.undecided(time.time()), len(outstanding))
         return ahead + waiting <= outstanding.staleness
 
-    async def _load_newest(self) -> None:
+    async def _load_newest(self, carried: Window | None = None) -> Window | None:
         """Load the newest parameters whose StepClose has been folded (so epoch ends up to it
-        are known); sync mode: the latest closed version exactly."""
+        are known); sync mode: the latest closed version exactly. ``carried``: local mode's
+        overlapped steps, moved onto that version (:meth:`Engine.rebase`) unless the window
+        they continue was rejected (then their batches go back, to be recomputed); returns
+        what was kept of them."""
         plane = self.plane
         control, params = plane.control, plane.params
         if plane.outstanding.mode == "sync":
@@ -308,19 +334,28 @@ class JobRunner:
         undo, self._undo = self._undo, []
         for encoded in undo:
             await self._compute(self.session.engine.encoder.undo, encoded)
+        if carried is not None and self._carry_lost:
+            self.intake.book.requeue([c.batch for c in carried.computed], control)
+            carried = None
+        self._carry_lost = False
         if version == self.loaded_version and not self._window_moved:
-            return
+            return carried
         self._loaded_stamps = (params.published_at, params.received_at)
+        engine = self.session.engine
+        move = engine.load if carried is None else engine.rebase
         with self._param_traces.load_span(self._tracer, self.session.params_topic, version):
-            load_s = await self._compute(self.session.engine.load, flat)
+            load_s = await self._compute(move, flat)
         self._window_moved = False
         self.figures.params_loaded(version, load_s)
         self.loaded_version = version
         self.snapshots.keep(version, flat, control)
+        return carried
 
-    async def _step(self, param_wait_s: float, *, started_at: float) -> None:
+    async def _step(
+        self, param_wait_s: float, *, started_at: float, carried: Window | None = None
+    ) -> None:
         """Gather, compute and send one contribution on the loaded version (loaded by
-        ``started_at``, Unix seconds)."""
+        ``started_at``, Unix seconds); local mode: ``carried`` are its window's first steps."""
         engine, base, plane = self.session.engine, self.loaded_version, self.plane
         assert base is not None
         spec = self.session.spec
@@ -336,9 +371,10 @@ class JobRunner:
             overlap = spec.distribution.overlaps_backward(engine.layout.numel * 4)
             patience_s = self.settings.empty_contribution_wait_s
             computed, wait_s, streamed = await self._gather(wanted, patience_s, stream_last=overlap)
-            inner_steps: list[int] = []
+            window = Window()
         else:
-            computed, wait_s, inner_steps = await self._window(wanted, base)
+            window = await self._window(wanted, base, carried or Window())
+            computed, wait_s = window.computed, window.wait_s
         if not computed:
             # Not when the step closed without this trainer (the others ended the epoch).
             closed = plane.control.version != base
@@ -357,8 +393,9 @@ class JobRunner:
         stamps = StepStamps(params_published_at=published_at, params_received_at=received_at,
                             started_at=started_at, computed_at=time.time())  # fmt: skip
         pending, grad_send_s = await outgoing.finish(
-            computed, encoded, inner_steps=inner_steps, stamps=stamps
-        )
+            computed, encoded, inner_steps=window.inner_steps, carried_steps=window.carried,
+            stamps=stamps,
+        )  # fmt: skip
         plane.outstanding.add(pending)
         self.figures.contribution_sent(
             grad_bytes=encoded.nbytes,
@@ -370,29 +407,57 @@ class JobRunner:
             param_wait_s=param_wait_s,
         )
 
-    async def _window(self, wanted: int, base: int) -> tuple[list[Computed], float, list[int]]:
-        """Local mode: up to ``sync_every_steps`` inner steps of ``wanted`` micro-batches on
-        ``base``, ending at one that finds fewer (past ``inner.waiting_steps``: waits for none)."""
+    async def _window(self, wanted: int, base: int, window: Window) -> Window:
+        """Local mode: ``window`` (its carried steps, if any) completed to ``sync_every_steps``
+        inner steps of ``wanted`` micro-batches on ``base``, ending at one that finds fewer
+        (past ``inner.waiting_steps``: waits for none)."""
         inner, control = self.session.engine.inner, self.plane.control
         assert inner is not None
         waiting = inner.waiting_steps(control.train_left(control.current_epoch))
-        computed: list[Computed] = []
-        inner_steps: list[int] = []
-        wait_s = 0.0
-        for index in range(inner.window):
+        for index in range(len(window.inner_steps), inner.window):
             patience_s = self.settings.empty_contribution_wait_s if index < waiting else 0.0
-            step, waited, _ = await self._gather(wanted, patience_s, [c.batch for c in computed])
-            wait_s += waited
-            if not step:
+            if not await self._inner_step(window, wanted, patience_s, inner.lr(base, index)):
                 break
-            samples = sum(c.result.samples for c in step)
-            await self._compute(self.session.engine.inner_step, samples, inner.lr(base, index))
-            computed += step
-            inner_steps.append(len(step))
-            if len(step) < wanted:
+        self._window_moved = bool(window.computed)  # the model left the version: load anew
+        return window
+
+    async def _overlap(self) -> Window | None:
+        """Local mode with ``overlap_steps``: while the last window's delta travels (sent, not
+        decided, or its version not in yet), up to ``overlap_steps`` inner steps of the next
+        window on the batches in hand (waiting for none), at the schedule of the version the
+        delta should make. None when there is nothing to overlap."""
+        engine, plane = self.session.engine, self.plane
+        inner, control = engine.inner, plane.control
+        if inner is None or not engine.can_overlap or len(plane.outstanding) != 1:
+            return None
+        assert self.loaded_version is not None
+        wanted = control.micro_batches_for(self.session.spec.micro_batches_per_step, time.time())
+        window = Window()
+        while (
+            len(window.inner_steps) < inner.overlap_steps
+            and wanted > 0
+            and not self._training_over()
+            and not (self._may_start() and plane.params.version == control.version)
+        ):
+            lr = inner.lr(self.loaded_version + 1, len(window.inner_steps))
+            if not await self._inner_step(window, wanted, 0.0, lr):
                 break
-        self._window_moved = bool(computed)  # the model left the version: load anew
-        return computed, wait_s, inner_steps
+        window.carried = len(window.inner_steps)
+        self.figures.steps_overlapped(window.carried)
+        return window if window.computed else None
+
+    async def _inner_step(self, window: Window, wanted: int, patience_s: float, lr: float) -> bool:
+        """Gather up to ``wanted`` micro-batches and take one inner step on them, added to
+        ``window``; whether the window may go on (it got all it wanted)."""
+        step, waited, _ = await self._gather(wanted, patience_s, [c.batch for c in window.computed])
+        window.wait_s += waited
+        if not step:
+            return False
+        samples = sum(c.result.samples for c in step)
+        await self._compute(self.session.engine.inner_step, samples, lr)
+        window.computed += step
+        window.inner_steps.append(len(step))
+        return len(step) == wanted
 
     async def _gather(
         self, wanted: int, patience_s: float, held: list[ReadyBatch] | None = None,

@@ -136,6 +136,9 @@ class Engine:
         self.simulated_delay_s = simulated_delay_s
         self._base: torch.Tensor | None = None
         """Local mode: fp32 [N] parameters of the loaded version, on the device."""
+        self._sent: torch.Tensor | None = None
+        """Local mode with overlap_steps: fp32 [N] parameters as the last window ended (what
+        its delta was taken from), on the device; None once moved onto a version."""
 
     def _simulate_slower_device(self) -> None:
         if self.simulated_delay_s > 0:
@@ -170,6 +173,7 @@ class Engine:
         self.model.zero_grad(set_to_none=True)
         if self.inner is not None:
             self._base = self.layout.flatten_params(self.model)  # [N], a copy
+            self._sent = None
         self._synchronize()
         return time.perf_counter() - started
 
@@ -241,7 +245,30 @@ class Engine:
         started = time.perf_counter()
         local = self.layout.flatten_params(self.model)  # [N]
         encoded = self.encoder.encode(weighted_delta(self._base, local, num_samples), num_samples)
+        assert self.inner is not None
+        self._sent = local if self.inner.overlap_steps else None
         return encoded, time.perf_counter() - started
+
+    def rebase(self, flat: torch.Tensor) -> float:
+        """Local mode's overlap: move the parameters onto version ``flat`` (fp32 [N], any
+        device) keeping what the inner steps since the last delta added
+        (``flat + (current - sent)``, statistics alike), and make ``flat`` the window's base;
+        the inner optimizer's state stays. Returns the seconds it took."""
+        assert self._sent is not None, "rebase follows a window's delta"
+        started = time.perf_counter()
+        base = flat.to(self.device, dtype=torch.float32, copy=True)  # [N], not the caller's
+        current = self.layout.flatten_params(self.model)  # [N]
+        self.layout.load_flat(self.model, base + (current - self._sent))
+        self.model.zero_grad(set_to_none=True)
+        self._base = base
+        self._sent = None
+        self._synchronize()
+        return time.perf_counter() - started
+
+    @property
+    def can_overlap(self) -> bool:
+        """Local mode with overlap_steps, and a window's delta taken that no step rebased yet."""
+        return self._sent is not None
 
     def discard_gradient(self) -> None:
         """Clear the accumulated gradient (a step abandoned before it was sent)."""

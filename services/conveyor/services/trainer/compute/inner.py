@@ -33,6 +33,8 @@ class InnerOptimizer:
         if window is None:
             raise ValueError("an inner optimizer needs distribution.sync_every_steps (local mode)")
         self.window = window
+        self.overlap_steps = spec.distribution.overlap_steps
+        """Inner steps of the next window that may run while a window's delta travels."""
         self._micro_batches_per_step = spec.micro_batches_per_step
         self._model = model
         self._training = spec.training

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from conveyor.platform.bus import Consumer, Producer, Received
 from conveyor.platform.config import KafkaSettings
@@ -110,23 +112,45 @@ class BatchIntake:
         """Wait until the consumer joined the job's group (its first assignment, possibly
         empty), at most the group's session timeout (a join takes less on any broker).
 
-        A fresh job's trainers wait for it in their first step's gathering: until then no
-        batch can arrive, and each step would be an empty contribution, a version without
-        samples that still counts toward ``max_steps``, ``checkpoint.every_steps``, local
-        mode's inner learning-rate schedule and the job's samples/s (the embedded broker
-        completes a join after half the session timeout: ~20 empty versions of the digits
-        demo). A trainer that joins a job past version 0 contributes empty steps meanwhile, as
-        the others are training."""
+        A fresh job's trainers wait for it before their first step (and :meth:`receive` does
+        if they did not): until then no batch can arrive, and each step would be an empty
+        contribution, a version without samples that still counts toward ``max_steps``,
+        ``checkpoint.every_steps``, local mode's inner learning-rate schedule and the job's
+        samples/s (the embedded broker completes a join after half the session timeout: ~20
+        empty versions of the digits demo). A trainer that joins a job past version 0
+        contributes empty steps meanwhile, as the others are training."""
         consumer = self._consumer
         assert consumer is not None, "open() first"
         self._join_awaited = True  # once: a join that timed out is not waited for again
+        await self._within_session(consumer.joined(), "not in the batches group")
+
+    async def _rebalanced(self) -> bool:
+        """Wait out a rebalance of the batches group, at most its session timeout; whether
+        there was one. During it no member can receive a batch, so a trainer that gave up on
+        its step instead would send an empty contribution every ``empty_contribution_wait_s``,
+        each a version without samples (the embedded broker takes ~5 s to rebalance: ~20 of
+        them whenever a trainer joined or left a running job)."""
+        consumer = self._consumer
+        if consumer is None or not consumer.rebalancing:
+            return False
+        started = time.perf_counter()
+        await self._within_session(consumer.settled(), "the batches group still rebalancing")
+        logger.info(
+            "job %s: waited %.2f s for the batches group to rebalance",
+            self._session.job_id, time.perf_counter() - started,
+        )  # fmt: skip
+        return True
+
+    async def _within_session(self, wait: Coroutine[Any, Any, None], what: str) -> None:
+        """Await ``wait`` at most the group's session timeout (a join or a rebalance takes less
+        on any broker); past it, log ``what`` and go on."""
         try:
             async with asyncio.timeout(self._kafka.session_timeout_s):
-                await consumer.joined()
+                await wait
         except TimeoutError:
             logger.warning(
-                "job %s: not in the batches group after %.0f s; stepping anyway",
-                self._session.job_id, self._kafka.session_timeout_s,
+                "job %s: %s after %.0f s; stepping anyway",
+                self._session.job_id, what, self._kafka.session_timeout_s,
             )  # fmt: skip
 
     def let_go(self) -> None:
@@ -139,12 +163,17 @@ class BatchIntake:
     ) -> tuple[bool, float]:
         """Take one delivered batch and place it; (False, waited) when none came in time. In a
         fresh job (version 0) it first waits until this trainer joined the batches group
-        (:meth:`joined`), which does not count as waiting for data."""
+        (:meth:`joined`); when none came and the group is rebalancing, it waits for the
+        rebalance (:meth:`_rebalanced`) and then ``timeout_s`` again (not when ``timeout_s``
+        is 0: a caller that waits for nothing). Neither wait counts as waiting for data."""
         prefetch = self._prefetch
         assert prefetch is not None
         if self._control.version == 0 and not self._join_awaited:
             await self.joined()
         item, waited = await prefetch.get(timeout_s)
+        if item is None and timeout_s != 0 and await self._rebalanced():
+            item, more = await prefetch.get(timeout_s)
+            waited += more
         if count_wait and self._waited_once:  # the wait for the very first batch is start-up
             self._figures.data_waited(waited)
         self._waited_once = True

@@ -118,13 +118,14 @@ class Outgoing:
         encoded: EncodedGrad,
         *,
         inner_steps: list[int] | None = None,
+        carried_steps: int = 0,
         stamps: StepStamps,
     ) -> tuple[Pending[ReadyBatch], float]:
         """Send the slices of ``encoded`` not sent yet, await every ack, publish the
         Contribution (``computed``: every pass of it; local mode: ``inner_steps`` passes per
-        inner step; ``stamps``); returns it as :class:`Pending` and the seconds this took (the
-        sending left after the gradient was whole). Raises ``BusError`` when the broker
-        fails."""
+        inner step, the first ``carried_steps`` of them overlapped; ``stamps``); returns it
+        as :class:`Pending` and the seconds this took (the sending left after the gradient was
+        whole). Raises ``BusError`` when the broker fails."""
         session, batches = self._session, self._batches
         started = time.perf_counter()
         num_samples = sum(c.result.samples for c in computed)
@@ -151,6 +152,7 @@ class Outgoing:
                     grad_bytes=encoded.nbytes,
                     sent_at=time.time(),
                     inner_steps=list(inner_steps or []),
+                    carried_steps=carried_steps,
                     params_published_at=stamps.params_published_at,
                     params_received_at=stamps.params_received_at,
                     started_at=stamps.started_at,

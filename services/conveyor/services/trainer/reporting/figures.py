@@ -74,6 +74,8 @@ class TrainerFigures:
         """Non-empty contributions sent."""
         self.empty_contributions = 0
         """Empty contributions sent (sync mode, no batch ready in time)."""
+        self.overlapped_steps = 0
+        """Local mode's inner steps run while the last window's delta travelled."""
         self.rejected = 0
         """Contributions rejected (their batches were recomputed)."""
         self.grad_bytes = 0
@@ -133,6 +135,11 @@ class TrainerFigures:
         """Parameter version ``version`` was loaded into the model in ``load_s``."""
         self.meter.add(compute_s=load_s)
         self.metrics.version.set(version)
+
+    def steps_overlapped(self, steps: int) -> None:
+        """Local mode: ``steps`` inner steps ran while the last window's delta travelled."""
+        self.overlapped_steps += steps
+        self.metrics.overlapped_steps.inc(steps)
 
     def empty_sent(self) -> None:
         """An empty contribution was sent (sync mode: no batch in time)."""

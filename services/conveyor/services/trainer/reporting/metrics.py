@@ -59,6 +59,11 @@ class TrainerMetrics:
             "param_wait_seconds",
             "From the contribution sent to the next parameter version loaded, per step.",
         )
+        self.overlapped_steps = counter(
+            SERVICE,
+            "overlapped_steps_total",
+            "Local mode's inner steps run while the last window's delta travelled.",
+        )
         self.version = gauge(SERVICE, "param_version", "Parameter version loaded last.")
         self.data_wait_ratio = gauge(
             SERVICE, "data_wait_ratio", "Recent exposed data wait / (wait + the rest of the step)."
