@@ -579,7 +579,17 @@ async def test_openapi_documents_the_api(gateway: Gateway) -> None:
     job = "/v1/jobs/{job_id}"
     expected = {"/v1/jobs", job, f"{job}/cancel", f"{job}/events", f"{job}/stages", "/v1/queue"}
     assert expected <= set(schema["paths"])
-    assert "JobSpec" in schema["components"]["schemas"]
+    components = schema["components"]["schemas"]
+    assert "JobSpec" in components
+    # Every field of the spec's sections says what it does (the field docstrings), so the
+    # /docs page is a reference of the spec.
+    sections = ("TrainingSpec", "DistributionSpec", "CheckpointSpec", "ResourcesSpec", "FlowSpec")
+    for section in sections:
+        fields = components[section]["properties"]
+        assert fields and all(field.get("description") for field in fields.values()), section
+    assert (
+        "GPU memory" in components["ResourcesSpec"]["properties"]["memory_fraction"]["description"]
+    )
 
 
 async def test_checkpoints_are_listed_requested_and_the_model_served(

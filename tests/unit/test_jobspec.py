@@ -111,6 +111,12 @@ def test_synthetic_example_augments() -> None:
         ("distribution.allocation", "fair", ("distribution", "allocation"), "'adaptive' or"),
         ("resources.device", "tpu", ("resources", "device"), "pattern"),
         ("resources.memory_fraction", 1.5, ("resources", "memory_fraction"), "less than"),
+        (
+            "resources",
+            {"device": "cpu", "memory_fraction": 0.5},
+            ("resources", "memory_fraction"),
+            "device cpu has none",
+        ),
         ("checkpoint.uri", "ftp://x", ("checkpoint", "uri"), "file://"),
         ("checkpoint.keep_last", 0, ("checkpoint", "keep_last"), "greater than or equal"),
         ("flow.max_lead_batches", 0, ("flow", "max_lead_batches"), "greater than or equal"),

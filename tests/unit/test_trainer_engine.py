@@ -3,6 +3,7 @@ evaluation on end-of-epoch snapshots, normalisation, devices, the simulated slow
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -145,7 +146,7 @@ def test_normalizer_scales_then_standardises_per_channel() -> None:
         Normalizer(NormalizeSpec(mean=[0.1] * 3, std=[1.0] * 3), 2, CPU)
 
 
-def test_devices_and_resources() -> None:
+def test_devices_and_resources(caplog: pytest.LogCaptureFixture) -> None:
     assert resolve_device("cpu") == CPU
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
@@ -154,8 +155,10 @@ def test_devices_and_resources() -> None:
             resolve_device("cuda:0")
     threads = torch.get_num_threads()
     try:
-        apply_resources(ResourcesSpec(threads=1, memory_fraction=0.5), CPU)
+        with caplog.at_level(logging.INFO):
+            apply_resources(ResourcesSpec(threads=1, memory_fraction=0.5), CPU)
         assert torch.get_num_threads() == 1
+        assert "memory_fraction caps GPU memory: not applied on cpu" in caplog.text
     finally:
         torch.set_num_threads(threads)
 

@@ -29,4 +29,6 @@ ModelOption = JsonScalar | list[JsonScalar]
 class _Spec(BaseModel):
     """Common config of every spec section: unknown keys are errors, values are final."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )

@@ -83,6 +83,7 @@ class DistributionSpec(_Spec):
     split equally and the batches are spread over the partitions equally (each trainer reads
     an equal share)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    """How each gradient (local mode: parameter delta) travels to the aggregator."""
     overlap_backward: bool | None = Field(default=None, validate_default=True)
     """sync and ssp: during the backward pass of a step's last micro-batch, each gradient
     slice is encoded and sent as soon as the pass has completed it (DDP-style buckets; the

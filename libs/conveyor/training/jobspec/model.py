@@ -17,7 +17,9 @@ class ModelSpec(BaseModel):
     example. Options must be JSON scalars or lists of them.
     """
 
-    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="allow", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_.-]*$")
     """Registry name of the model (``small_cnn``, ``mlp``, ``resnet18``...)."""

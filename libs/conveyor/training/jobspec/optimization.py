@@ -75,6 +75,7 @@ class LrScheduleSpec(_Spec):
 
 class TrainingSpec(_Spec):
     epochs: int = Field(ge=1, le=10_000)
+    """Passes over the train split; each ends with an evaluation of the eval split."""
     global_batch_size: int = Field(ge=1, le=1_048_576)
     """Samples per optimizer step, summed over all trainers."""
     micro_batch_size: int = Field(ge=1, le=65_536)

@@ -3,7 +3,7 @@ far data runs ahead."""
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from conveyor.training.jobspec.base import (
     CHECKPOINT_SCHEMES,
@@ -40,6 +40,16 @@ class ResourcesSpec(_Spec):
     """Cap on the share of GPU memory one trainer process may use."""
     threads: int | None = Field(default=None, ge=1, le=1024)
     """torch intra-op threads per trainer; None = torch's default."""
+
+    @field_validator("memory_fraction")
+    @classmethod
+    def _gpu_only(cls, fraction: float | None, info: ValidationInfo) -> float | None:
+        if fraction is not None and info.data.get("device") == "cpu":
+            raise ValueError(
+                "memory_fraction caps a trainer's share of GPU memory: device cpu has none "
+                "(use device auto or cuda, or leave memory_fraction out)"
+            )
+        return fraction
 
 
 class FlowSpec(_Spec):

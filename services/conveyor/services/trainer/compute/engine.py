@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from conveyor.services.trainer.plane.gradients import EncodedGrad, SliceEncoder
 from conveyor.services.trainer.plane.streaming import BackwardSlices, SliceReady
 from conveyor.training.jobspec import NormalizeSpec, ResourcesSpec
 from conveyor.training.slicing import ParamLayout
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -69,8 +72,11 @@ def apply_resources(
     torch._C._set_deterministic_algorithms(deterministic)
     if resources.threads is not None:
         torch.set_num_threads(resources.threads)
-    if resources.memory_fraction is not None and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(resources.memory_fraction, device)
+    if resources.memory_fraction is not None:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(resources.memory_fraction, device)
+        else:  # device auto on a trainer without a GPU (the spec refuses it with device cpu)
+            logger.info("resources.memory_fraction caps GPU memory: not applied on %s", device)
 
 
 class Normalizer:
