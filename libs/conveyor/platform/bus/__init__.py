@@ -21,8 +21,9 @@ from conveyor.platform.bus.admin import (
     ensure_topics,
     wait_for_topics,
 )
-from conveyor.platform.bus.consumer import Consumer, Handler
+from conveyor.platform.bus.consumer import Consumer
 from conveyor.platform.bus.errors import BusError, BusUnavailable, ConsumerStopped, RecordTooLarge
+from conveyor.platform.bus.handlers import Handler
 from conveyor.platform.bus.metadata import disable_topic_auto_creation
 from conveyor.platform.bus.producer import Producer
 from conveyor.platform.bus.received import Received

@@ -11,37 +11,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 
 from conveyor.platform.bus.dead_letters import DeadLetters
+from conveyor.platform.bus.delivery import Delivery
 from conveyor.platform.bus.errors import BusError, BusUnavailable, ConsumerStopped, from_kafka_error
 from conveyor.platform.bus.group import RebalanceListener, fetch_position, stop_and_leave
+from conveyor.platform.bus.handlers import Handler, run_handlers
 from conveyor.platform.bus.holes import HOLE_RETRY_S, HoleGuard
-from conveyor.platform.bus.metrics import (
-    register_lag_source,
-    topic_kind,
-    topic_metrics,
-    unregister_lag_source,
-)
-from conveyor.platform.bus.offsets import InFlight, PartitionOffsets
+from conveyor.platform.bus.metrics import register_lag_source, topic_kind, unregister_lag_source
+from conveyor.platform.bus.offsets import InFlight
 from conveyor.platform.bus.options import consumer_options
 from conveyor.platform.bus.producer import Producer
 from conveyor.platform.bus.received import Received
-from conveyor.platform.bus.tracing import extract_context
-from conveyor.platform.codec import CodecError, CodecLimits, decode
+from conveyor.platform.codec import CodecLimits
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.lifecycle import AsyncLifecycle
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Received], Awaitable[None]]
-
-_BACKOFF_INITIAL_S = 0.1
-_BACKOFF_MAX_S = 5.0
 _COMMIT_TIMEOUT_S = 5.0
 """Longest wait for one commit (a healthy one takes milliseconds), see :meth:`Consumer._commit`."""
 
@@ -97,7 +88,6 @@ class Consumer(AsyncLifecycle):
         self._settings = settings
         self._topics = list(topics)
         self._group_id = group_id
-        self._limits = limits or CodecLimits(max_message_bytes=settings.max_message_bytes)
         self._commit_interval_s = commit_interval_s
         self._poll_timeout_ms = int(poll_timeout_s * 1000)
         self._drain_timeout_s = drain_timeout_s
@@ -106,6 +96,12 @@ class Consumer(AsyncLifecycle):
         self._consumer: AIOKafkaConsumer | None = None
         self._closing = False
         self._in_flight = InFlight(max_in_flight)
+        self._delivery = Delivery(
+            self._in_flight,
+            self._dead_letters,
+            limits=limits or CodecLimits(max_message_bytes=settings.max_message_bytes),
+            topic_prefix=settings.topic_prefix,
+        )
         self._holes = HoleGuard()
         self._paused = False
         self._resting = False
@@ -287,7 +283,7 @@ class Consumer(AsyncLifecycle):
             while True:
                 consumer = self._running_consumer()
                 if (fetched := self._in_flight.next_fetched()) is not None:
-                    received = await self._accept(*fetched)
+                    received = await self._delivery.accept(*fetched)
                     if received is not None:
                         return received
                 elif self._in_flight.full:
@@ -336,55 +332,14 @@ class Consumer(AsyncLifecycle):
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        slots = asyncio.Semaphore(concurrency)
-        backoff_s = _BACKOFF_INITIAL_S
         self._active_runs += 1
         self._runs_idle.clear()
         try:
-            async with asyncio.TaskGroup() as handlers:
-                while True:
-                    await slots.acquire()
-                    try:
-                        received = await self.get()
-                    except ConsumerStopped:
-                        return
-                    except BusError as exc:
-                        slots.release()
-                        if not exc.retriable:
-                            raise
-                        logger.warning(
-                            "group %s: %s; retrying in %.1fs", self._group_id, exc, backoff_s
-                        )
-                        await asyncio.sleep(backoff_s)
-                        backoff_s = min(backoff_s * 2, _BACKOFF_MAX_S)
-                    else:
-                        backoff_s = _BACKOFF_INITIAL_S
-                        handlers.create_task(self._handle(handler, received, slots))
-        except BaseExceptionGroup as group:
-            # TaskGroup wraps the handler's exception; callers expect the exception itself.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+            await run_handlers(self, handler, concurrency)
         finally:
             self._active_runs -= 1
             if self._active_runs == 0:
                 self._runs_idle.set()
-
-    async def _handle(self, handler: Handler, received: Received, slots: asyncio.Semaphore) -> None:
-        try:
-            await handler(received)
-        except Exception:
-            logger.exception(
-                "group %s: handler failed on %s[%d]@%d; not acked, it will be redelivered",
-                self._group_id,
-                received.topic,
-                received.partition,
-                received.offset,
-            )
-            raise
-        finally:
-            slots.release()
-        self.ack(received)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -413,42 +368,6 @@ class Consumer(AsyncLifecycle):
                 holes = True
         if holes:
             await asyncio.sleep(HOLE_RETRY_S)
-
-    async def _accept(self, record: Any, offsets: PartitionOffsets) -> Received | None:
-        """Deliver ``record``: decode it, or dead-letter it and return None."""
-        value = record.value
-        size_bytes = len(value) if value is not None else 0
-        metrics = topic_metrics(record.topic, self._settings.topic_prefix)
-        metrics.consumed_records.inc()
-        metrics.consumed_bytes.inc(size_bytes)
-        try:
-            if value is None:
-                raise _NoValue("record has no value")
-            message = decode(value, limits=self._limits)
-        except (CodecError, _NoValue) as exc:
-            try:
-                # Acked only once the dead letter is durable; else the record stays unacked.
-                await self._dead_letters.park(record, f"{type(exc).__name__}: {exc}")
-            except BaseException:
-                self._in_flight.put_back(record, offsets)  # the next get() retries it
-                raise
-            metrics.dead_letters.inc()
-            self._in_flight.skip(offsets, record.offset)
-            return None
-        self._in_flight.deliver(offsets, record.offset)
-        headers = dict(record.headers) if record.headers else {}
-        return Received(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-            message=message,
-            headers=headers,
-            timestamp_ms=record.timestamp,
-            size_bytes=size_bytes,
-            context=extract_context(headers),
-            _offsets=offsets,
-        )
 
     async def _wait_for_capacity(self, consumer: AIOKafkaConsumer) -> None:
         self._pause()
@@ -538,7 +457,3 @@ class Consumer(AsyncLifecycle):
         else:
             self._paused = False
         logger.info("group %s: assigned %s", self._group_id, sorted(assigned))
-
-
-class _NoValue(Exception):
-    """A record without a value (a tombstone): nothing to decode."""

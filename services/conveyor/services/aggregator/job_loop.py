@@ -7,7 +7,8 @@ Three tasks share the job's state::
              (resting while the control log announces no slice it lacks: see .demand)
     engine:  on every arrival or tick_s:
                follow the assignment: open a SliceOwner per new partition (from the last
-                 ParamSlice of that partition, or version 0 published by us), drop lost ones
+                 ParamSlice of that partition, or version 0 published by us: see .opening),
+                 drop lost ones
                advance each owner: apply the next StepClose once its slices are held,
                  publish the ParamSlice, acknowledge the GradSlices it consumed
                this process owns partition 0 and caught up with the control log:
@@ -62,8 +63,7 @@ from conveyor.services.aggregator.demand import grads_wanted
 from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
-from conveyor.services.aggregator.params import last_param_slices
-from conveyor.services.aggregator.restore import restore_slice, resumed_slice
+from conveyor.services.aggregator.opening import SliceOpener
 from conveyor.services.aggregator.saving import SliceSaver
 from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.checkpoint import (
@@ -75,7 +75,6 @@ from conveyor.training.checkpoint import (
 )
 from conveyor.training.compression import CompressionError
 from conveyor.training.jobhost import JobFailure
-from conveyor.training.optim import aggregator_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +155,18 @@ class JobAggregator:
             jobs_topic=self.topics.jobs,
             worker_id=settings.worker_id,
             metrics=metrics,
+        )
+        self.opener = SliceOpener(
+            ctx,
+            self.coordinator,
+            kafka=kafka,
+            checkpoints=self.checkpoints,
+            saver=self.saver,
+            grads_topic=self._grads_topic,
+            params_topic=self._params_topic,
+            folded=self._folded,
+            log_read=self._log_read,
+            publish=self._publish,
         )
 
     @property
@@ -344,48 +355,7 @@ class JobAggregator:
             await self._open_slice(index, grads)
 
     async def _open_slice(self, index: int, grads: Consumer) -> None:
-        start, stop = self.ctx.bounds[index]
-        optimizer = aggregator_optimizer(self.ctx.spec)
-        statistics = self.ctx.layout.statistic_ranges(start, stop)
-        last = (await last_param_slices(self.kafka, self._params_topic)).get(index)
-        if last is None:
-            await self._log_read.wait()  # a resumed job starts from its checkpoint
-            state = await self._first_state(index)
-            await self._publish(index, state.version, state.values.clone())
-        else:
-            if last.values.numel() != stop - start:
-                raise JobFailure(
-                    f"ParamSlice {index}: {last.values.numel()} values, not {stop - start}"
-                )
-            restored = await restore_slice(
-                kafka=self.kafka,
-                grads_topic=self._grads_topic,
-                index=index,
-                initial=self.ctx.initial[start:stop],
-                last=last,
-                optimizer=optimizer,
-                checkpoints=self.checkpoints,
-                closes=self._closes_through,
-                floor=self.coordinator.resumed_from or 0,
-                statistics=statistics,
-            )
-            await self.saver.report_unusable(restored.skipped, restored.checkpoint_version)
-            state = restored.state
-            logger.info("job %s: slice %d restored at version %d from %s + %d replayed versions "
-                        "(optimizer state %s)", self.ctx.job_id, index, state.version,
-                        f"checkpoint v{restored.checkpoint_version}"
-                        if restored.checkpoint_version is not None else "version 0",
-                        restored.replayed, "exact" if restored.exact else "restarted")  # fmt: skip
-        # In a thread: building the first torch optimizer of a process imports for seconds.
-        owner = await asyncio.to_thread(
-            SliceOwner[Received],
-            slice_index=index,
-            values=state.values,
-            version=state.version,
-            optimizer=optimizer,
-            optimizer_state=state.optimizer,
-            statistics=statistics,
-        )
+        owner = await self.opener.open(index)
         self.owners[index] = owner
         logger.info(
             "job %s: serving slice %d from version %d", self.ctx.job_id, index, owner.version
@@ -393,28 +363,6 @@ class JobAggregator:
         await self._save_again_if_lost(owner, grads)
         for received in self._early.pop(index, []):
             self._on_grad(received, grads)
-
-    async def _first_state(self, index: int) -> SliceState:
-        """Slice ``index`` at the job's first version: 0, or the checkpoint it resumed from."""
-        start, stop = self.ctx.bounds[index]
-        if (version := self.coordinator.resumed_from) is None:
-            return SliceState(slice_index=index, version=0, values=self.ctx.initial[start:stop],
-                              optimizer={}, grads_offset=0)  # fmt: skip
-        try:
-            return await asyncio.to_thread(
-                resumed_slice, self.checkpoints, version, index, stop - start
-            )
-        except CheckpointError as exc:
-            raise JobFailure(f"cannot resume from checkpoint v{version}: {exc}") from exc
-
-    async def _closes_through(self, after: int, version: int) -> list[StepClose]:
-        """StepCloses after+1..version, once the control log is folded that far."""
-        while True:
-            self._folded.clear()  # before the check: a fold after it sets it again
-            if self.coordinator.version >= version:
-                break
-            await self._folded.wait()
-        return [self.coordinator.closes[v] for v in range(after + 1, version + 1)]
 
     async def _save_again_if_lost(self, owner: SliceOwner[Received], grads: Consumer) -> None:
         """A previous owner that died between applying a checkpointed version and announcing
