@@ -1,5 +1,6 @@
 """Which versions are checkpointed and why (the coordinator's fold), and what the checkpointer
-makes of the control log (its book): readiness, failures, the data cursor, the timer."""
+makes of the control log (its book): readiness, failures, the data cursor, the timer; and that
+a final checkpoint committed from its slice files alone says what the book would have said."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from test_coordinator import JOB, SAMPLES, T0, batch, beat, contrib, echo
 
 from conveyor.platform.messages import CheckpointRequest, SliceSaved, StepClose
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig
-from conveyor.services.checkpointer.book import CheckpointBook
+from conveyor.services.checkpointer.book import CheckpointBook, final_checkpointed
 from conveyor.training.jobspec import JobSpec
 
 TRAIN = 12  # batches per epoch: 3 steps of 4
@@ -141,3 +142,32 @@ def test_the_timer_is_due_every_s_after_the_last_checkpoint(every_s: float | Non
         book.fold(close)
     assert not book.timer_due(every_s, closes[-1].closed_at + 29)
     assert book.timer_due(every_s, closes[-1].closed_at + 30) is (every_s is not None)
+
+
+@pytest.mark.parametrize("max_steps", [None, 5])
+def test_the_final_checkpoint_from_slice_0s_progress_matches_the_books(
+    max_steps: int | None,
+) -> None:
+    """Without the control log (no checkpointer hosted the job at its end), the manifest of the
+    final version comes from the job progress in its slice 0 file: the same step, trigger and
+    data cursor as the fold gives; the job ends at an epoch's end, or mid-epoch by max_steps."""
+    coordinator = coordinator_for(job_spec(max_steps=max_steps))
+    closes = run(coordinator, max_steps or 6)
+    assert coordinator.training_finished
+    final = closes[-1].version
+    book = CheckpointBook(job_id=JOB, num_slices=2, train_batches_per_epoch=TRAIN, started_at=T0)
+    for close in closes:
+        book.fold(close)
+    expected = book.checkpointed(final)
+    # What slice 0 saves at the final version (the coordinator's snapshot at its close).
+    found = final_checkpointed(coordinator.progress_at[final], completed_at=T0 + 60)
+    assert (found.version, found.step, found.trigger) == (final, expected.step, "job_end")
+    assert expected.trigger == "job_end"
+    assert found.data_cursor == expected.data_cursor
+    assert found.asked_at == T0 + 60  # the StepClose's time is not in the file
+    cursor = found.data_cursor
+    if max_steps is None:
+        assert (cursor.epoch, cursor.applied_batches, found.step) == (2, [], 6)
+    else:  # 5 steps of 4: epoch 0's 12 batches, then 8 of epoch 1
+        assert (cursor.epoch, cursor.applied_batches) == (1, [batch(1, i) for i in range(8)])
+        assert (cursor.samples_trained, found.step) == (20, 5)

@@ -352,7 +352,8 @@ class CheckpointCommitted(JobEvent):
     size_bytes: int
     """Bytes of its files."""
     seconds: float
-    """From the StepClose that asked for it to the commit."""
+    """From the StepClose that asked for it to the commit (a final checkpoint committed after
+    its job ended with no checkpointer following it: from the job's completion)."""
 
 
 @message("CheckpointFailed", version=1)

@@ -7,6 +7,10 @@ saved; *failed* once one slice announces an error. The time trigger (``checkpoin
 is *due* when that long passed since the last checkpointed StepClose (or since the job was
 first seen) and no request is pending. A resumed job's ``ResumePoint`` (its log's first record)
 starts the fold at the checkpoint's version and data cursor.
+
+What a manifest records of a version beside its files is a :class:`Checkpointed`: from the book
+(:meth:`CheckpointBook.checkpointed`), or, for a job that completed while no checkpointer read
+its log, from its final slice files (:func:`final_checkpointed`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,23 @@ from conveyor.platform.messages import (
     SliceSaved,
     StepClose,
 )
-from conveyor.training.checkpoint import DataCursor, SliceFile
+from conveyor.training.checkpoint import DataCursor, JobProgress, SliceFile
 from conveyor.training.plan import parse_batch_id
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checkpointed:
+    """What the manifest of a checkpointed version says beside its files."""
+
+    version: int
+    step: int
+    """Optimizer steps with samples up to ``version``."""
+    trigger: str
+    """Why it was taken (``StepClose.checkpoint``)."""
+    data_cursor: DataCursor
+    asked_at: float
+    """Unix s from which its commit latency counts: the close of the StepClose that asked for
+    it (for :func:`final_checkpointed`: the job's completion, that StepClose being gone)."""
 
 
 @dataclass(slots=True)
@@ -33,6 +52,17 @@ class _Cursor:
     """Epoch (>= ``epoch``) -> its train batches applied so far."""
     steps: int = 0
     samples: int = 0
+
+    @classmethod
+    def resumed(
+        cls, *, ended_epochs: int, steps: int, samples: int, applied_batches: list[str]
+    ) -> _Cursor:
+        """The cursor at a version whose progress is known (a resume point, a slice file):
+        ``ended_epochs`` epochs ended (0..n-1), ``applied_batches`` of the later ones in."""
+        cursor = cls(epoch=ended_epochs, steps=steps, samples=samples)
+        for batch_id in applied_batches:
+            cursor.applied.setdefault(parse_batch_id(batch_id).epoch, []).append(batch_id)
+        return cursor
 
     def data_cursor(self) -> DataCursor:
         return DataCursor(
@@ -87,13 +117,12 @@ class CheckpointBook:
             self._timer_pending = True
         elif isinstance(message, ResumePoint) and self._version == 0:
             self._version = message.version
-            self._cursor = _Cursor(
-                epoch=len(message.ended_epochs),
+            self._cursor = _Cursor.resumed(
+                ended_epochs=len(message.ended_epochs),
                 steps=message.steps,
                 samples=message.samples_trained,
+                applied_batches=message.applied_batches,
             )
-            for batch_id in message.applied_batches:
-                self._cursor.applied.setdefault(parse_batch_id(batch_id).epoch, []).append(batch_id)
 
     def _fold_close(self, close: StepClose) -> None:
         if close.version != self._version + 1:
@@ -142,6 +171,18 @@ class CheckpointBook:
             if s.error
         ]
 
+    def checkpointed(self, version: int) -> Checkpointed:
+        """What the manifest of requested ``version`` says beside its files."""
+        close = self.requested[version]
+        cursor, steps = self.cursors[version]
+        return Checkpointed(
+            version=version,
+            step=steps,
+            trigger=close.checkpoint or "request",
+            data_cursor=cursor,
+            asked_at=close.closed_at,
+        )
+
     def files(self, version: int) -> list[SliceFile]:
         """The files a ready version's manifest lists."""
         files = [self.file(version, p) for p in range(self.num_slices)]
@@ -176,3 +217,28 @@ class CheckpointBook:
         """The newest checkpointed version not done (at the job's end: the final one)."""
         pending = [v for v in self.requested if v > self.floor and v not in self.done]
         return max(pending, default=None)
+
+
+def final_checkpointed(progress: JobProgress, *, completed_at: float) -> Checkpointed:
+    """The final checkpoint of a completed job, from the job progress in its slice 0 file,
+    for when its control log was never read (no checkpointer hosted the job at its end).
+
+    Known exactly: the version, step and data cursor (the coordinator's own snapshot at that
+    version, under the file's checksum; the same as the fold of the log gives) and the
+    trigger, ``job_end`` (the coordinator checkpoints the close that ends training as such,
+    and closes nothing after it). Not known: when that StepClose closed; ``asked_at`` is the
+    job's completion (``completed_at``, unix s), which comes after it.
+    """
+    cursor = _Cursor.resumed(
+        ended_epochs=len(progress.ended),
+        steps=progress.steps,
+        samples=progress.samples_trained,
+        applied_batches=progress.applied_batches,
+    )
+    return Checkpointed(
+        version=progress.version,
+        step=cursor.steps,
+        trigger="job_end",
+        data_cursor=cursor.data_cursor(),
+        asked_at=completed_at,
+    )

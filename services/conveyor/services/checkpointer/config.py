@@ -27,5 +27,6 @@ class CheckpointerSettings(_FileAwareSettings):
     )
     registry_interval_s: Annotated[float, Field(gt=0, le=300)] = Field(
         default=1.0,
-        description="Pause between two updates of the registry of live jobs in the object store.",
+        description="Pause between two passes over the jobs for the object store: the registry "
+        "of live jobs, and the final checkpoints of completed jobs not committed yet.",
     )

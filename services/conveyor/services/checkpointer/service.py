@@ -11,6 +11,13 @@ tails the job's control topic from the beginning into a :class:`~.book.Checkpoin
 - at the job's end (let go when it turns terminal), commits the final checkpoint from the
   store when its announcements were not read before the job's topics went.
 
+The final checkpoint of a completed job is also committed from the store when none of that
+did it: the job completed while no checkpointer hosted it (it was down or restarting, or its
+task had failed), or its task was let go before it read the final StepClose. Each completed job
+is checked once per process, once no task of it hosts the job: on the first pass after start
+(when the view holds the whole jobs topic) or the pass after it completed
+(:meth:`CheckpointerService._commit_finals`).
+
 Versions already committed (a restart, a second replica) are not committed again.
 
 Beside the jobs it keeps the registry of live jobs in the stack's object store and, on a jobs
@@ -22,9 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from conveyor.platform.bus import TopicTail
@@ -35,9 +43,9 @@ from conveyor.platform.messages import (
     CheckpointRequest,
     JobEvent,
 )
-from conveyor.platform.storage import ObjectNotFound, StorageError, open_store
+from conveyor.platform.storage import StorageError, open_store
 from conveyor.platform.telemetry import LATENCY_BUCKETS_S, counter, histogram
-from conveyor.services.checkpointer.book import CheckpointBook
+from conveyor.services.checkpointer.book import CheckpointBook, Checkpointed, final_checkpointed
 from conveyor.services.checkpointer.config import CheckpointerSettings
 from conveyor.services.checkpointer.registry import (
     JobRegistry,
@@ -48,6 +56,7 @@ from conveyor.services.checkpointer.registry import (
 from conveyor.training.checkpoint import (
     CheckpointError,
     CheckpointStore,
+    JobProgress,
     Manifest,
     SliceFile,
     slice_key,
@@ -98,9 +107,13 @@ class CheckpointerService(JobHostService[Prepared]):
         )
         self.settings = settings
         self.storage = storage
+        self.finals_settled: set[tuple[str, int]] = set()
+        """(job id, incarnation) of the completed jobs whose final checkpoint
+        :meth:`_commit_finals` committed, found committed, or found that it cannot be (the
+        reason logged): not looked at again."""
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._keep_registry()]
+        return [self._keep_registry(), self._commit_finals()]
 
     async def _keep_registry(self) -> None:
         """Keep the registry of live jobs; on start, bring back the jobs the topic lost."""
@@ -133,6 +146,50 @@ class CheckpointerService(JobHostService[Prepared]):
         logger.warning("job %s: lost with the jobs topic; bringing it back: %s", entry.job_id,
                        event.details().get("checkpoint_version", "from the start"))  # fmt: skip
         await self._publish(event)
+
+    async def _commit_finals(self) -> None:
+        """Commit the final checkpoint of every completed job that lacks it (see the module
+        docstring), once per job: a pass looks only at the completed jobs not settled yet and
+        not hosted; a retriable storage failure leaves one for the next pass."""
+        await self.view_ready()  # the jobs that completed while this process was down
+        while True:
+            hosted = set(self.hosted_jobs)  # a task's let-go (_finish) may be committing it
+            for job in self.view.list(state="completed", limit=len(self.view) or 1):
+                settled = (job.job_id, job.incarnation)
+                if settled in self.finals_settled or job.job_id in hosted:
+                    continue
+                if await self._commit_final(job):
+                    self.finals_settled.add(settled)
+            await asyncio.sleep(self.settings.registry_interval_s)
+
+    async def _commit_final(self, job: JobView) -> bool:
+        """Commit completed ``job``'s final checkpoint from the store unless it is committed.
+        False after a retriable storage failure; True otherwise (a reason is logged when it
+        cannot be committed)."""
+        version = (job.summary or {}).get("versions")
+        if type(version) is not int or version < 0:
+            logger.warning("job %s: its summary names no final version: no final checkpoint "
+                           "to commit", job.job_id)  # fmt: skip
+            return True
+        if version == 0:  # it trained nothing: nothing was checkpointed
+            return True
+        try:
+            spec, checkpoints = await self.prepare_job(job)
+            found = await asyncio.to_thread(
+                _final_in_store, checkpoints, version, spec.distribution.aggregator_shards,
+                job.updated_at,
+            )  # fmt: skip
+        except (JobFailure, StorageError, ValueError) as exc:
+            logger.warning("job %s: its final checkpoint v%d, not committed when the job "
+                           "ended, cannot be committed: %s", job.job_id, version, exc)  # fmt: skip
+            return not getattr(exc, "retriable", False)
+        if found is None:
+            return True
+        point, files = found
+        logger.info("job %s: its final checkpoint v%d was not committed when the job ended; "
+                    "committing it from the store", job.job_id, version)  # fmt: skip
+        await self._commit(job, spec, checkpoints, point, files)
+        return True
 
     async def prepare_job(self, job: JobView) -> Prepared:
         try:
@@ -178,7 +235,10 @@ class CheckpointerService(JobHostService[Prepared]):
             book.done.add(version)
             await self._failed(job.job_id, version, "; ".join(book.errors(version)))
         for version in book.ready():
-            await self._commit(job, spec, checkpoints, book, version, book.files(version))
+            book.done.add(version)
+            await self._commit(
+                job, spec, checkpoints, book.checkpointed(version), book.files(version)
+            )
         if book.timer_due(spec.checkpoint.every_s, time.time()):
             book.timer_sent()
             await self.producer.publish(
@@ -191,23 +251,22 @@ class CheckpointerService(JobHostService[Prepared]):
         job: JobView,
         spec: JobSpec,
         checkpoints: CheckpointStore,
-        book: CheckpointBook,
-        version: int,
+        point: Checkpointed,
         files: list[SliceFile],
     ) -> None:
-        book.done.add(version)
-        close = book.requested[version]
-        cursor, steps = book.cursors[version]
+        """Commit ``point`` over ``files``: the manifest, ``latest``, retention, then
+        ``CheckpointCommitted``; ``CheckpointFailed`` when the store refuses."""
+        version = point.version
         plan = job.plan
         assert plan is not None
         manifest = Manifest(
             job_id=job.job_id,
             version=version,
-            step=steps,
-            trigger=close.checkpoint or "request",
+            step=point.step,
+            trigger=point.trigger,
             created_at=time.time(),
             files=files,
-            data_cursor=cursor,
+            data_cursor=point.data_cursor,
             rng={"seed": spec.training.seed, "derivation": RNG_DERIVATION},
             spec=spec.to_dict(),
             model={
@@ -223,7 +282,7 @@ class CheckpointerService(JobHostService[Prepared]):
         except (CheckpointError, StorageError) as exc:
             await self._failed(job.job_id, version, str(exc))
             return
-        seconds = max(0.0, time.time() - close.closed_at)
+        seconds = max(0.0, time.time() - point.asked_at)
         _COMMITS.inc()
         _BYTES.inc(manifest.size_bytes)
         _COMMIT_SECONDS.observe(seconds)
@@ -231,7 +290,7 @@ class CheckpointerService(JobHostService[Prepared]):
                     job.job_id, version, manifest.trigger, manifest.size_bytes, seconds,
                     deleted or "nothing")  # fmt: skip
         await self._publish(CheckpointCommitted(
-            job_id=job.job_id, version=version, step=steps, trigger=manifest.trigger, uri=uri,
+            job_id=job.job_id, version=version, step=point.step, trigger=manifest.trigger, uri=uri,
             size_bytes=manifest.size_bytes, seconds=seconds,
         ))  # fmt: skip
 
@@ -246,38 +305,73 @@ class CheckpointerService(JobHostService[Prepared]):
         version = book.last_unfinished()
         if version is None or self.stopping:
             return
+        announced = functools.partial(book.file, version)
         try:
-            files = await asyncio.to_thread(_files_in_store, checkpoints, version, book)
+            files, _ = await asyncio.to_thread(
+                _files_in_store, checkpoints, version, book.num_slices, announced
+            )
         except (StorageError, ValueError) as exc:
             logger.warning("job %s: the final checkpoint v%d is not complete in the store: %s",
                            job.job_id, version, exc)  # fmt: skip
             return
+        book.done.add(version)
         with contextlib.suppress(Exception):  # the jobs topic may be gone too when stopping
-            await self._commit(job, spec, checkpoints, book, version, files)
+            await self._commit(job, spec, checkpoints, book.checkpointed(version), files)
 
     async def _publish(self, event: JobEvent) -> None:
         await self.producer.publish(self.topics.jobs, event, key=event.job_id)
 
 
 def _files_in_store(
-    checkpoints: CheckpointStore, version: int, book: CheckpointBook
-) -> list[SliceFile]:
-    """The files of ``version`` as written (their announcements may be lost): each slice's
-    file is read back for its recorded offset. ObjectNotFound when one is missing."""
+    checkpoints: CheckpointStore,
+    version: int,
+    num_slices: int,
+    announced: Callable[[int], SliceFile | None] = lambda index: None,
+) -> tuple[list[SliceFile], JobProgress | None]:
+    """The files of ``version`` as written (their announcements may be lost): the
+    ``announced`` file of a slice (by index), else its file read back for its recorded offset;
+    and slice 0's job progress when its file was read. StorageError (ObjectNotFound,
+    ChecksumMismatch, CheckpointError: the reason names the file) when one is missing, torn
+    or holds another slice or version."""
     # Reading a slice file back imports torch, which the checkpointer needs only here.
     from conveyor.training.checkpoint.slicefile import decode_slice
 
     files: list[SliceFile] = []
-    for index in range(book.num_slices):
-        announced = book.file(version, index)
-        if announced is not None:
-            files.append(announced)
+    progress: JobProgress | None = None
+    for index in range(num_slices):
+        entry = announced(index)
+        if entry is not None:
+            files.append(entry)
             continue
         key = slice_key(checkpoints.job_id, version, index)
         info = checkpoints.store.info(key)
-        state = decode_slice(checkpoints.store.get_bytes(key, expected_sha256=info.sha256 or None))
-        if state.version != version:
-            raise ObjectNotFound(f"{key} holds version {state.version}")
+        data = checkpoints.store.get_bytes(key, expected_sha256=info.sha256 or None)
+        try:
+            state = decode_slice(data)
+        except ValueError as exc:
+            raise CheckpointError(f"{key}: {exc}") from exc
+        if (state.slice_index, state.version) != (index, version):
+            raise CheckpointError(
+                f"{key} holds slice {state.slice_index} of version {state.version}"
+            )
+        if index == 0:
+            progress = state.progress
         files.append(SliceFile(slice_index=index, key=key, size_bytes=info.size_bytes,
                                sha256=info.sha256, grads_offset=state.grads_offset))  # fmt: skip
-    return files
+    return files, progress
+
+
+def _final_in_store(
+    checkpoints: CheckpointStore, version: int, num_slices: int, completed_at: float
+) -> tuple[Checkpointed, list[SliceFile]] | None:
+    """What commits a completed job's final ``version`` from its files alone (see
+    :func:`~.book.final_checkpointed`); None when it is committed already. StorageError
+    (the reason names the file) when a file is missing, torn or without the job's progress."""
+    committed = checkpoints.committed_versions()
+    if committed and committed[0] >= version:
+        return None
+    files, progress = _files_in_store(checkpoints, version, num_slices)
+    if progress is None or progress.version != version:
+        key = slice_key(checkpoints.job_id, version, 0)
+        raise CheckpointError(f"{key} holds no job progress of version {version}")
+    return final_checkpointed(progress, completed_at=completed_at), files
