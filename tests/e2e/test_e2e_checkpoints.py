@@ -92,11 +92,16 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     wait_for(lambda: bool(CheckpointStore(stack.store(), job_id).committed_versions()),
              timeout_s=120, what="the job's first checkpoint")  # fmt: skip
     kills: list[str] = []
+    # The kinds alternate (the first at random), so that any two kills hit both: a free draw
+    # per kill chose only checkpointers for all 9 kills of a clean-clone run (seed 7552; 25 seeds in
+    # 10,000 do), and no aggregator restored a slice.
+    kinds = ["checkpointer", "aggregator"]
+    rng.shuffle(kinds)
     for n in range(KILLS):
         time.sleep(rng.uniform(0.2, 1.0))
         if stack.job(job_id)["state"] in TERMINAL_STATES:
             break
-        kind = rng.choice(["checkpointer", "aggregator"])
+        kind = kinds[n % 2]
         victim = live[kind].pop(rng.randrange(len(live[kind])))
         kill(victim)
         kills.append(victim.name)
