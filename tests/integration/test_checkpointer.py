@@ -27,10 +27,8 @@ from conveyor.platform.bus import TopicTail
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import CheckpointCommitted, Topics
 from conveyor.platform.storage import open_store
-from conveyor.services.aggregator.job import JobContext
 from conveyor.services.checkpointer.service import CheckpointerService
 from conveyor.training.checkpoint import CheckpointStore, latest_key, slice_key
-from conveyor.training.datasets import Dataset
 
 KEEP_LAST = 2
 ONE_EPOCH: dict[str, Any] = {
@@ -97,13 +95,15 @@ async def settled(service: CheckpointerService, job_id: str, timeout_s: float = 
 
 
 async def run_job(
-    stack: AsyncExitStack, kafka: KafkaSettings, objects: Path, ctx: JobContext, data: Dataset
-) -> Peer:
-    """An aggregator and the peer, the job's params at v0, its evaluation waiting."""
+    stack: AsyncExitStack, kafka: KafkaSettings, objects: Path
+) -> tuple[Peer, CheckpointStore]:
+    """A one-epoch job submitted, an aggregator and the peer, the job's params at v0; the
+    peer and the job's checkpoints in the file store at ``objects``."""
+    ctx, data = await submit(kafka, ONE_EPOCH)
     await stack.enter_async_context(aggregator(kafka, objects))
     peer = await stack.enter_async_context(Peer(kafka, ctx, data, WORKERS))
     await peer.wait_for(lambda: peer.has_params(0))
-    return peer
+    return peer, CheckpointStore(open_store(f"file://{objects}"), ctx.job_id)
 
 
 async def finish(
@@ -120,11 +120,9 @@ async def finish(
 async def test_a_job_that_ended_with_no_checkpointer_gets_its_final_checkpoint_on_start(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
-    ctx, dataset = await submit(kafka, ONE_EPOCH)
-    job_id = ctx.job_id
-    checkpoints = CheckpointStore(open_store(f"file://{tmp_path}"), job_id)
     async with AsyncExitStack() as stack:
-        peer = await run_job(stack, kafka, tmp_path, ctx, dataset)
+        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        ctx, job_id = peer.ctx, peer.ctx.job_id
         evaluating = asyncio.create_task(peer.evaluate_epochs(1))
         async with running(checkpointer(kafka, tmp_path)):
             queue = await train(peer, 0, 2, peer.train_batches(0))
@@ -165,11 +163,9 @@ async def test_a_job_that_ended_with_no_checkpointer_gets_its_final_checkpoint_o
 async def test_a_missing_or_torn_final_slice_file_is_a_reason_and_no_commit(
     kafka: KafkaSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ctx, dataset = await submit(kafka, ONE_EPOCH)
-    job_id = ctx.job_id
-    checkpoints = CheckpointStore(open_store(f"file://{tmp_path}"), job_id)
     async with AsyncExitStack() as stack:
-        peer = await run_job(stack, kafka, tmp_path, ctx, dataset)
+        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        job_id = peer.ctx.job_id
         # No checkpointer runs before the job ends.
         await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
     path = tmp_path / slice_key(job_id, FINAL, 1)
@@ -204,16 +200,15 @@ async def test_a_missing_or_torn_final_slice_file_is_a_reason_and_no_commit(
 async def test_a_final_checkpoint_committed_at_the_jobs_end_is_not_committed_again(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
-    ctx, dataset = await submit(kafka, ONE_EPOCH)
     async with AsyncExitStack() as stack:
-        service = checkpointer(kafka, tmp_path)
+        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        ctx = peer.ctx
+        service = checkpointer(kafka, tmp_path)  # from before the first step to the end
         await stack.enter_async_context(running(service))
-        peer = await run_job(stack, kafka, tmp_path, ctx, dataset)
         await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
         await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
         # Both ways to the final commit were open in this process: its task, and its pass
         # over the completed jobs once the task let the job go.
         await settled(service, ctx.job_id)
     assert await checkpoint_events(kafka, ctx.job_id) == [1, 2, 3, FINAL]
-    checkpoints = CheckpointStore(open_store(f"file://{tmp_path}"), ctx.job_id)
     assert checkpoints.committed_versions() == [FINAL, 3]
