@@ -20,6 +20,7 @@ from conveyor.platform.messages import (
 )
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig, Decisions
 from conveyor.services.aggregator.membership import allocate
+from conveyor.services.aggregator.metrics import rejection_label
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import parse_batch_id
 
@@ -601,3 +602,10 @@ def test_the_summary_counts_samples_per_second_from_the_first_step_begun() -> No
     empty = coordinator()  # no stamps (an empty contribution, an older trainer): sent_at
     empty.fold(contrib("a", 0, [], at=T0 + 3.0))
     assert empty.first_started_at == T0 + 3.0
+
+
+def test_each_rejection_reason_counts_under_its_own_label() -> None:
+    reasons = ["stale: base 1, current 4", "duplicate batches", "invalid batch ids",
+               "invalid sample ids", "over the global batch", "training finished"]  # fmt: skip
+    assert [rejection_label(r) for r in reasons] == [r.split(":")[0] for r in reasons]
+    assert rejection_label("a reason added later") == "other"

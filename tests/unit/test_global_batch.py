@@ -54,11 +54,15 @@ def contribution(
     )
 
 
-def train_in_lockstep(trainers: int, *, throughputs: list[float]) -> list[int]:
+def train_in_lockstep(
+    trainers: int, *, throughputs: list[float], first_hears_only_itself: bool = False
+) -> tuple[list[int], list[str]]:
     """Every trainer takes what its control fold says from the batches routed to it (each
     epoch's batches spread by the coordinator's routing at the epoch's start over the
     partitions the consumer group's round robin gives it), the coordinator closes each step;
-    returns the micro-batches of every step (0: an empty one)."""
+    a rejected contribution's batches go back to its trainer. Returns the micro-batches of
+    every step (0: an empty one) and the rejections' reasons. ``first_hears_only_itself``:
+    the first trainer starts before the others' heartbeats reach it."""
     job = spec()
     partitions = max(2, 2 * trainers)  # the sharder's default topology for the job
     coordinator = Coordinator(CoordinatorConfig(
@@ -78,30 +82,37 @@ def train_in_lockstep(trainers: int, *, throughputs: list[float]) -> list[int]:
     for w, rate in zip(workers, throughputs, strict=True):
         beat = heartbeat(JOB, w, at=T0, samples_per_second=rate, batches_partitions=owned[w])
         coordinator.fold(beat)
-        for control in controls.values():
-            control.apply(beat)
+        for v, control in controls.items():
+            if not (first_hears_only_itself and v == workers[0] and w != v):
+                control.apply(beat)
     held: dict[str, list[int]] = {}
     routed_epoch = -1
     steps: list[int] = []
+    reasons: list[str] = []
     sequence = 0
     while not coordinator.training_finished:
         if coordinator.current_epoch != routed_epoch:
             routed_epoch = coordinator.current_epoch
             routing = shard_partitions(0, TRAIN_BATCHES, coordinator.routing(T0), partitions)
             held = {w: [b for b, p in enumerate(routing) if owner[p] == w] for w in workers}
+        taken: dict[str, list[int]] = {}
         for w in workers:
             control = controls[w]
             wanted = control.micro_batches_for(job.micro_batches_per_step, T0)
-            taken, held[w] = held[w][:wanted], held[w][wanted:]
-            coordinator.fold(contribution(w, sequence, control.version, routed_epoch, taken))
+            taken[w], held[w] = held[w][:wanted], held[w][wanted:]
+            coordinator.fold(contribution(w, sequence, control.version, routed_epoch, taken[w]))
             sequence += 1
         decisions = coordinator.decide(T0)
-        assert decisions.rejections == [] and decisions.close is not None
+        assert decisions.close is not None
+        for rejection in decisions.rejections:
+            reasons.append(rejection.reason)
+            held[rejection.worker_id][:0] = taken[rejection.worker_id]
+            coordinator.fold(rejection)
         coordinator.fold(decisions.close)
         for control in controls.values():
             control.apply(decisions.close)
         steps.append(len(decisions.close.batch_ids))
-    return steps
+    return steps, reasons
 
 
 @pytest.mark.parametrize(
@@ -111,7 +122,8 @@ def train_in_lockstep(trainers: int, *, throughputs: list[float]) -> list[int]:
 def test_any_number_of_trainers_takes_the_same_steps_of_the_global_batch(
     trainers: int, throughputs: list[float]
 ) -> None:
-    steps = train_in_lockstep(trainers, throughputs=throughputs)
+    steps, reasons = train_in_lockstep(trainers, throughputs=throughputs)
+    assert reasons == []
     per_epoch = math.ceil(TRAIN_BATCHES / 2)
     # Every version takes batches, and only each epoch's last is short: no trainer is left
     # holding batches of an epoch that the others wait for.
@@ -119,6 +131,21 @@ def test_any_number_of_trainers_takes_the_same_steps_of_the_global_batch(
     assert steps == ([2] * (per_epoch - 1) + [1]) * EPOCHS
     assert sum(steps) == EPOCHS * TRAIN_BATCHES
     assert max(steps) == 2  # never more than 64 samples: the 4-trainer demo took 3-4 a step
+
+
+@pytest.mark.parametrize("trainers", [2, 3, 4])
+def test_a_first_step_split_on_different_views_of_the_pool_holds_the_global_batch(
+    trainers: int,
+) -> None:
+    # Before the first allocation each trainer splits the step over the trainers it has heard
+    # from: the first one, alone in its view, takes the whole step, the others their shares.
+    steps, reasons = train_in_lockstep(
+        trainers, throughputs=[100.0] * trainers, first_hears_only_itself=True
+    )
+    assert reasons == ["over the global batch"]  # the others split 2 over all: one takes 1
+    assert steps[0] == 2 and max(steps) == 2  # without the cap: 3 (the demo's 114 steps)
+    assert sum(steps) == EPOCHS * TRAIN_BATCHES
+    assert EPOCHS * math.ceil(TRAIN_BATCHES / 2) <= len(steps) <= EPOCHS * 23 + 1
 
 
 def test_more_trainers_than_micro_batches_take_turns() -> None:

@@ -18,7 +18,9 @@ closed without it, which is dropped unanswered; once training is finished every 
 is rejected ("training finished"), so each one gets an answer. Nothing is decided while an
 earlier decision has not come back through the log. Decisions also reject a contribution
 whose sample ids are outside the dataset or whose batch ids are not all of its epoch ("invalid
-sample ids", "invalid batch ids").
+sample ids", "invalid batch ids"), and, in sync mode, what would take a step past the global
+batch ("over the global batch": trainers that split the first step before any allocation may
+each count other trainers live).
 
 Allocation (``distribution.allocation``): adaptive gives each live trainer micro-batches per
 step in proportion to its measured throughput and publishes a ``routing`` of the batches
@@ -157,9 +159,35 @@ class Coordinator(CoordinatorState):
             else:
                 included.append(contribution)
                 batches.update(contribution.batch_ids)
+        if self.sync and not self.local:
+            included, over = self._fit_global_batch(included)
+            rejections.extend(self._reject(c, "over the global batch") for c in over)
         close = self._close(included, now)
         self._awaiting_version = close.version
         return Decisions(rejections=rejections, close=close)
+
+    def _fit_global_batch(
+        self, ready: list[Contribution]
+    ) -> tuple[list[Contribution], list[Contribution]]:
+        """Sync: the contributions a step takes, at most ``micro_batches_per_step`` micro-batches
+        in all, and those left over (rejected, so recomputed on the new version). Before the
+        first allocation each trainer splits the step over the trainers it has heard from, and
+        two that have not heard from the same ones bring more than a step between them (one
+        alone takes the whole step, the other its share). The largest fit first; the kept ones
+        stay in arrival order."""
+        limit = self.config.micro_batches_per_step
+        if sum(len(c.batch_ids) for c in ready) <= limit:
+            return ready, []
+        kept: set[str] = set()
+        taken = 0
+        for contribution in sorted(ready, key=lambda c: -len(c.batch_ids)):
+            if taken + len(contribution.batch_ids) <= limit:
+                kept.add(contribution.contribution_id)
+                taken += len(contribution.batch_ids)
+        return (
+            [c for c in ready if c.contribution_id in kept],
+            [c for c in ready if c.contribution_id not in kept],
+        )
 
     def _rejection_reason(self, contribution: Contribution) -> str | None:
         staleness = self.version - contribution.base_version

@@ -7,7 +7,14 @@ from conveyor.platform.telemetry import LATENCY_BUCKETS_S, counter, gauge, histo
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 1000)
 """Histogram buckets of applied staleness (versions)."""
 
-REJECTION_REASONS = ("stale", "duplicate batches", "invalid batch ids", "training finished")
+REJECTION_REASONS = (
+    "stale",
+    "duplicate batches",
+    "invalid batch ids",
+    "invalid sample ids",
+    "over the global batch",
+    "training finished",
+)
 
 
 def rejection_label(reason: str) -> str:
