@@ -10,7 +10,10 @@ the machinery of ``loadtests.bench_pipeline`` (same measurements, same alternati
                 [64, 64], augment ``random_resized_crop``, ``hflip``; evaluation batches get the
                 deterministic resize), uint8 batches through the broker to one trainer;
     dataloader  one process whose DataLoader --workers decode and augment the same files with
-                the same code and keys (seed, epoch, sample id), so both see the same pixels.
+                the same code and keys (seed, epoch, sample id), so both see the same pixels
+                (a JPEG decoded at the DCT scale its crop needs); ``--baseline-decode full``
+                decodes each file whole before cropping instead, as torchvision's
+                RandomResizedCrop on a PIL image does (what a DataLoader user runs today).
 The model is small_cnn [16, 32, 64] on 64x64x3 (a few ms of compute a micro-batch), so the
 data path, not the model, is what is measured. On a machine of a few cores the two systems'
 CPU needs are alike (decoding dominates): the ratio shows what Conveyor's broker, services and

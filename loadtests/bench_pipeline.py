@@ -210,10 +210,17 @@ class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
     :class:`HostBatch`."""
 
     def __init__(
-        self, dataset: Any, augmenter: Any, seed: int, *, numpy_transport: bool, channels: int
+        self,
+        dataset: Any,
+        augmenter: Any,
+        seed: int,
+        *,
+        numpy_transport: bool,
+        channels: int,
+        reduce: bool = True,
     ) -> None:
         self.dataset, self.augmenter, self.seed = dataset, augmenter, seed
-        self.numpy_transport, self.channels = numpy_transport, channels
+        self.numpy_transport, self.channels, self.reduce = numpy_transport, channels, reduce
 
     def __len__(self) -> int:
         return int(self.dataset.num_samples)
@@ -224,13 +231,15 @@ class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
     def __getitems__(self, indices: list[tuple[int, int, int]]) -> HostBatch:
         epoch, split = indices[0][0], indices[0][1]
         ids = [index[2] for index in indices]
-        from conveyor.training.datasets import EncodedDataset, decode_image
+        from conveyor.training.datasets import EncodedDataset, EncodedImage
 
         if isinstance(self.dataset, EncodedDataset):
             encoded, _bad = self.dataset.read_encoded(ids)  # the benchmark's files are sound
-            images = [decode_image(sample.data, channels=self.channels) for sample in encoded]
+            images = [EncodedImage.parse(s.data, channels=self.channels) for s in encoded]
             y = np.array([sample.label for sample in encoded], dtype=np.int64)  # [B]
-            x = self.augmenter.apply(images, ids, seed=self.seed, epoch=epoch)  # [B,C,H,W]
+            x = self.augmenter.apply_encoded(
+                images, ids, seed=self.seed, epoch=epoch, reduce=self.reduce
+            ).x  # [B,C,H,W]
         else:
             x, y = self.dataset.read(ids)  # [B,C,H,W] uint8, [B] int64
             x = self.augmenter.apply(x, ids, seed=self.seed, epoch=epoch)
@@ -291,6 +300,7 @@ def baseline_main(config: dict[str, Any]) -> dict[str, Any]:
             training.seed,
             numpy_transport=config["transport"] == "numpy",
             channels=channels,
+            reduce=config["decode"] == "reduced",
         ),
         batch_sampler=order,
         num_workers=workers,
@@ -406,6 +416,7 @@ def run_baseline(
         "prefetch_factor": args.prefetch_factor,
         "warmup_steps": warmup,
         "transport": args.baseline_transport,
+        "decode": args.baseline_decode,
     }
     result = subprocess.run(
         [sys.executable, "-m", "loadtests.bench_pipeline", "--baseline-config", json.dumps(config)],
@@ -737,7 +748,7 @@ def footer(args: argparse.Namespace, use_scale: bool, load: list[float]) -> str:
         "(other work shares the machine: compare ratios, not absolute rates).\n"
         f"DataLoader: 1 training process + {args.workers} worker process(es) "
         f"(prefetch_factor {args.prefetch_factor}, persistent, workers return "
-        f"{args.baseline_transport} batches).\n"
+        f"{args.baseline_transport} batches; image files decoded {args.baseline_decode}).\n"
         f"Conveyor: broker + gateway + sharder + {args.preprocessors} preprocessor(s) "
         f"({how}) + trainer = {4 + args.preprocessors} processes on the same cores, a fresh "
         "stack per run; trainer heartbeats every 1 s (default 3 s) to date the wait window.\n"
@@ -770,6 +781,14 @@ def add_system_arguments(parser: argparse.ArgumentParser) -> None:
         default="numpy",
         help="what DataLoader workers return: numpy arrays (pickled through the worker's pipe; "
         "the faster here) or tensors (torch's shared-memory hand-over, one fd per tensor)",
+    )
+    parser.add_argument(
+        "--baseline-decode",
+        choices=("reduced", "full"),
+        default="reduced",
+        help="how DataLoader workers decode image files: as the preprocessors do (a JPEG at the "
+        "DCT scale its crop needs; the same pixels) or whole before cropping (torchvision's "
+        "RandomResizedCrop on a PIL image)",
     )
     parser.add_argument("--warmup-steps", type=int, help="default: 10%% of the job's steps")
 

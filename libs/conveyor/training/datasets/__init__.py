@@ -46,7 +46,7 @@ from conveyor.training.datasets.base import (
 from conveyor.training.datasets.builtin import open_builtin
 from conveyor.training.datasets.idx import IdxDataset
 from conveyor.training.datasets.imagefolder import ImageFolderDataset
-from conveyor.training.datasets.images import BadImage, decode_image
+from conveyor.training.datasets.images import BadImage, EncodedImage, decode_image
 from conveyor.training.datasets.manifest import Manifest, ShardEntry
 from conveyor.training.datasets.npz import NpzDataset
 from conveyor.training.datasets.pack import PackResult, load_arrays, pack_idx, pack_npz, pack_source
@@ -65,6 +65,7 @@ __all__ = [
     "DatasetError",
     "DatasetUnavailable",
     "EncodedDataset",
+    "EncodedImage",
     "EncodedSample",
     "IdxDataset",
     "ImageBatch",

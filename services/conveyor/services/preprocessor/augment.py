@@ -48,6 +48,7 @@ from conveyor.services.preprocessor.image_ops import (
     resize_region,
 )
 from conveyor.training.datasets.base import burn_cpu
+from conveyor.training.datasets.images import BadImage, EncodedImage
 
 Image = NDArray[np.uint8]
 """One image ``[C, H, W]``."""
@@ -75,6 +76,14 @@ class Op(ABC):
     def for_eval(self) -> Op | None:
         """This op on evaluation batches: itself when deterministic, None to skip it."""
         return None
+
+    def decode_sized(
+        self, source: EncodedImage, rng: np.random.Generator, size: Size, *, reduce: bool
+    ) -> Image:
+        """A sizing op's output decoded straight from an image file, with the same random
+        draws as ``__call__`` on its pixels (``reduce``: see :meth:`EncodedImage.region`).
+        BadImage for corrupt data."""
+        raise NotImplementedError(f"{self.NAME} is not a sizing op")
 
     def to_spec(self) -> dict[str, Any]:
         return {"name": self.NAME, **{p: getattr(self, p) for p in self.PARAMS}}
@@ -174,6 +183,13 @@ class Resize(Op):
         box = center_fit_box(image.shape[1:], size) if self.fit == "crop" else None
         return resize_region(image, size, box)
 
+    def decode_sized(
+        self, source: EncodedImage, rng: np.random.Generator, size: Size, *, reduce: bool
+    ) -> Image:
+        hw = (source.height, source.width)
+        box = center_fit_box(hw, size) if self.fit == "crop" and hw != size else None
+        return source.region(size, box, reduce=reduce)
+
     def for_eval(self) -> Op | None:
         return self
 
@@ -189,6 +205,12 @@ class RandomResizedCrop(Op):
     def __call__(self, image: Image, rng: np.random.Generator, size: Size) -> Image:
         box = random_resized_box(image.shape[1:], self.scale, self.ratio, rng)
         return resize_region(image, size, box)
+
+    def decode_sized(
+        self, source: EncodedImage, rng: np.random.Generator, size: Size, *, reduce: bool
+    ) -> Image:
+        box = random_resized_box((source.height, source.width), self.scale, self.ratio, rng)
+        return source.region(size, box, reduce=reduce)
 
     def for_eval(self) -> Op | None:
         return Resize("crop")
@@ -273,6 +295,25 @@ def known_ops() -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodedOutcome:
+    """What :meth:`Augmenter.apply_encoded` made of a list of image files."""
+
+    x: NDArray[np.uint8]
+    """uint8 ``[N', C, H, W]``: the files that decoded, in their order."""
+    kept: list[int]
+    """Positions (in the input list) of the rows of ``x``."""
+    bad: list[tuple[int, str]]
+    """Position and reason of each file that did not decode."""
+
+
+def _stream(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
+    """The sample's own random stream, keyed by (seed, epoch, sample id)."""
+    key = np.array([seed & _U64, sample_id & _U64], dtype=np.uint64)  # a negative seed too
+    counter = np.array([0, 0, epoch, _AUGMENT_STREAM], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(key=key, counter=counter))
+
+
+@dataclass(frozen=True, slots=True)
 class Augmenter:
     """A fixed sequence of ops and the output size; picklable, so it can be shipped to worker
     processes."""
@@ -317,26 +358,84 @@ class Augmenter:
         if not self.ops and sized:
             assert isinstance(images, np.ndarray)
             return images
-        resize_first = self.image_size is not None and not any(op.SIZING for op in self.ops)
-        fit = Resize("crop") if resize_first else None
         out = np.empty((len(images), channels, *size), dtype=np.uint8)  # [N,C,H,W]
-        key_seed = seed & _U64  # negative seeds map to distinct unsigned keys
-        counter = np.array([0, 0, epoch, _AUGMENT_STREAM], dtype=np.uint64)
         for row, sample_id in enumerate(ids.tolist()):
-            key = np.array([key_seed, sample_id & _U64], dtype=np.uint64)
-            rng = np.random.Generator(np.random.Philox(key=key, counter=counter))
+            rng = _stream(seed, epoch, sample_id)
             image = images[row]  # [C,h,w]
-            if fit is not None:
-                image = fit(image, rng, size)
-            for op in self.ops:
+            for op in self._ops_to_size():
                 image = op(image, rng, size)
-            if image.shape != out.shape[1:]:
-                raise ValueError(
-                    f"sample {sample_id}: image of shape {list(image.shape)} after the ops, "
-                    f"expected {list(out.shape[1:])} (images of several sizes need image_size)"
-                )
-            out[row] = image
+            out[row] = self._checked(image, out.shape[1:], sample_id)
         return out
+
+    def apply_encoded(
+        self,
+        sources: Sequence[EncodedImage],
+        sample_ids: Sequence[int],
+        *,
+        seed: int,
+        epoch: int,
+        reduce: bool = True,
+    ) -> EncodedOutcome:
+        """Decode and augment image files (one channel count): what :meth:`apply` gives for
+        their decoded pixels, except that a sizing first op (the implicit ``resize``, or a
+        list's leading ``resize``/``random_resized_crop``) decodes each file straight to the
+        output size (:meth:`EncodedImage.region`; ``reduce`` False decodes it whole first).
+        A file that does not decode is left out with BadImage's reason. ValueError as for
+        :meth:`apply`."""
+        if len(sources) != len(sample_ids):
+            raise ValueError(f"{len(sources)} images but {len(sample_ids)} sample ids")
+        ops = self._ops_to_size()
+        if self.image_size is None or not ops or not ops[0].SIZING:
+            return self._decode_then_apply(sources, sample_ids, seed=seed, epoch=epoch)
+        first, rest = ops[0], ops[1:]
+        size, channels = self.image_size, sources[0].channels if sources else 1
+        out = np.empty((len(sources), channels, *size), dtype=np.uint8)  # [N,C,H,W]
+        kept: list[int] = []
+        bad: list[tuple[int, str]] = []
+        for position, (source, sample_id) in enumerate(zip(sources, sample_ids, strict=True)):
+            rng = _stream(seed, epoch, sample_id)
+            try:
+                image = first.decode_sized(source, rng, size, reduce=reduce)  # [C,H,W]
+            except BadImage as exc:
+                bad.append((position, str(exc)))
+                continue
+            for op in rest:
+                image = op(image, rng, size)
+            out[len(kept)] = self._checked(image, out.shape[1:], sample_id)
+            kept.append(position)
+        return EncodedOutcome(x=out[: len(kept)], kept=kept, bad=bad)
+
+    def _decode_then_apply(
+        self, sources: Sequence[EncodedImage], sample_ids: Sequence[int], *, seed: int, epoch: int
+    ) -> EncodedOutcome:
+        images: list[Image] = []
+        kept: list[int] = []
+        bad: list[tuple[int, str]] = []
+        for position, source in enumerate(sources):
+            try:
+                images.append(source.pixels())  # [C,h,w]
+            except BadImage as exc:
+                bad.append((position, str(exc)))
+                continue
+            kept.append(position)
+        ids = [sample_ids[position] for position in kept]
+        return EncodedOutcome(x=self.apply(images, ids, seed=seed, epoch=epoch), kept=kept, bad=bad)
+
+    def _ops_to_size(self) -> tuple[Op, ...]:
+        """The ops run on each image: a ``resize`` (fit crop) first when there is an output
+        size and no sizing op."""
+        if self.image_size is not None and not any(op.SIZING for op in self.ops):
+            return (Resize("crop"), *self.ops)
+        return self.ops
+
+    @staticmethod
+    def _checked(image: Image, shape: tuple[int, ...], sample_id: int) -> Image:
+        if image.shape != shape:
+            raise ValueError(
+                f"sample {sample_id}: image of shape {list(image.shape)} after the ops, "
+                f"expected {list(shape)} (images of several sizes need image_size)"
+            )
+        return image
 
     def to_specs(self) -> list[dict[str, Any]]:
         """The normalised specs (defaults filled in) this augmenter was built from."""

@@ -2,7 +2,8 @@
 
 ``read_shard`` reads the task's samples (one ``Dataset.read`` for the whole shard, or one
 ``EncodedDataset.read_encoded`` for image files), ``make_batches`` decodes image files (to the
-job's ``preprocess.channels``), augments and sizes the images (randomness keyed by job seed,
+job's ``preprocess.channels``; straight to the output size when the first op sizes, see
+``Augmenter.apply_encoded``), augments and sizes the images (randomness keyed by job seed,
 epoch and sample id; evaluation shards get the deterministic ops only, see ``augment.py``) and
 cuts them into micro-batches of ``micro_batch_size`` positions of the task's order. Token
 sequences (``tokens://``) are cut the same way into int32 inputs and int64 next-token targets,
@@ -36,11 +37,11 @@ from conveyor.training.datasets import (
     BadSample,
     Dataset,
     DatasetError,
+    EncodedImage,
     EncodedSample,
     ImageBatch,
     LabelBatch,
     TokenDataset,
-    decode_image,
 )
 from conveyor.training.datasets.base import DEFAULT_CHANNELS
 
@@ -102,14 +103,15 @@ def read_shard(dataset: AnyDataset, task: ShardTask) -> ShardSamples:
     return ShardSamples(x=encoded, y=labels, read_start=read_start, read_end=time.time(), bad=bad)
 
 
-def _decode(
+def _parse(
     encoded: list[EncodedSample], channels: int
-) -> tuple[list[NDArray[np.uint8]], list[int], list[BadSample]]:
-    """Decode each sample; returns the images, their positions in ``encoded`` and the bad."""
+) -> tuple[list[EncodedImage], list[int], list[BadSample]]:
+    """Read each sample's image header; returns the images, their positions in ``encoded``
+    and the bad (unknown format, too many pixels)."""
     images, kept, bad = [], [], []
     for position, sample in enumerate(encoded):
         try:
-            images.append(decode_image(sample.data, channels=channels))  # [C,h,w]
+            images.append(EncodedImage.parse(sample.data, channels=channels))
         except BadImage as exc:
             bad.append(BadSample(sample_id=sample.sample_id, source=sample.source, reason=str(exc)))
             continue
@@ -136,10 +138,17 @@ def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -
         y = np.array(samples.y, dtype=np.int64)  # [N], a private copy
     else:
         channels = int(task.preprocess.get("channels") or DEFAULT_CHANNELS)
-        decoded, kept, decode_bad = _decode(samples.x, channels)
-        bad.extend(decode_bad)
+        parsed, kept, parse_bad = _parse(samples.x, channels)
+        bad.extend(parse_bad)
+        outcome = augmenter.apply_encoded(
+            parsed, [samples.x[p].sample_id for p in kept], seed=task.seed, epoch=task.epoch
+        )
+        for position, reason in outcome.bad:
+            sample = samples.x[kept[position]]
+            bad.append(BadSample(sample_id=sample.sample_id, source=sample.source, reason=reason))
+        kept = [kept[position] for position in outcome.kept]
         ids = [samples.x[position].sample_id for position in kept]
-        x = augmenter.apply(decoded, ids, seed=task.seed, epoch=task.epoch)  # [N',C,H,W]
+        x = outcome.x  # [N',C,H,W]
         y = np.array(samples.y[kept], dtype=np.int64)  # [N']
     # Batches become views of one array; torch wants it contiguous and writable.
     if not (x.flags.c_contiguous and x.flags.writeable):
