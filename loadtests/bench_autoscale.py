@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--peak", type=int, default=2, help="the fixed pool; the others' max")
     parser.add_argument("--samples", type=int, default=80_000)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--cost-ms", type=float, default=1.0, help="CPU per sample")
+    parser.add_argument("--cost-ms", type=float, default=2.0, help="CPU per sample")
     parser.add_argument("--step-delay-s", type=float, default=0.025, help="per micro-batch")
     parser.add_argument("--lag-threshold", type=int, default=2, help="shard tasks per replica")
     parser.add_argument("--lag-poll-s", type=float, default=30.0)

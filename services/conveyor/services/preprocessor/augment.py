@@ -12,7 +12,9 @@ shifts another's.
 output is ``[N,C,H,W]`` at ``image_size`` (``build_augmenter(..., image_size=(H, W))``; None:
 the input's size). An image reaches the size through the list's sizing op (``resize`` or
 ``random_resized_crop``, at most one) or, when the list has none, a ``resize`` (fit crop)
-before it.
+before it. ``apply_encoded`` takes the image files themselves (``EncodedImage``) and, when the
+first op sizes, decodes each straight to the output size with the same draws (a JPEG at a
+reduced DCT scale; see ``EncodedImage.region``).
 
 Ops (pixel units are uint8 levels 0..255):
 - ``random_crop {padding: int >= 0 = 4}``: zero-pad each side, crop back to HxW.
