@@ -18,7 +18,7 @@ import io
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
@@ -55,7 +55,7 @@ class EncodedImage:
     """An image file whose header was read (format and size checked), not decoded yet.
     :meth:`pixels` and :meth:`region` decode it; both raise BadImage for corrupt data."""
 
-    data: bytes
+    data: bytes = field(repr=False)
     channels: int
     """1 (grayscale) or 3 (RGB): what decoding converts to."""
     height: int
