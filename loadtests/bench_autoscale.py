@@ -75,6 +75,10 @@ class RunResult:
     job_seconds: float
     peak_replicas: int
     decisions: int
+    at_peak_after_s: float | None = None
+    """When the pool first ran at its peak size, from the submission (real stacks only)."""
+    data_wait_at_peak: float | None = None
+    """The median data wait the gateway reported from then to the job's end."""
 
 
 def job_spec(*, n: int, cost_ms: float, epochs: int) -> dict[str, Any]:
@@ -229,13 +233,18 @@ def run_one(policy: str, args: argparse.Namespace) -> RunResult:
             scaler.stop()
         sampler.stop()
         stack.stop()
+    peak = max((n for _, n in sampler.samples), default=0)
+    at_peak = next((at for at, n in sampler.samples if at >= submitted and n == peak), None)
+    waits_at_peak = [w for at, w in readings if at_peak is not None and at >= at_peak]
     return RunResult(
         policy=policy,
         seconds_to_fed=fed_after(readings, submitted, ended),
         preprocessor_seconds=round(sampler.seconds(submitted, ended + args.idle_s), 1),
         job_seconds=round(ended - submitted, 1),
-        peak_replicas=max((n for _, n in sampler.samples), default=0),
+        peak_replicas=peak,
         decisions=decisions,
+        at_peak_after_s=round(at_peak - submitted, 1) if at_peak is not None else None,
+        data_wait_at_peak=round(statistics.median(waits_at_peak), 4) if waits_at_peak else None,
     )
 
 
