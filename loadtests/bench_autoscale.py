@@ -16,7 +16,8 @@ costs no CPU), so one preprocessor cannot feed it and ``--peak`` can:
 
 Measured from the job's submission: **seconds to fed**, until the trainers' data wait (the
 gateway's job progress: their recent exposed data wait / step time) is under 5% and stays
-there for 10 s, the trainers' window (None: never), and **preprocessor-seconds**, the
+there to the job's end, at least 10 s (None: never; the batches made before the trainer began
+keep every pool fed for its first seconds, so that is not counted), and **preprocessor-seconds**, the
 preprocessor processes alive (stack.json, sampled every 0.5 s) integrated from the submission
 to ``--idle-s`` after the job's end (a pool costs while it waits for the next job; the
 autoscaler's cooldown is 60 s).
@@ -179,14 +180,19 @@ class LagOnlyScaler:
 
 
 def fed_after(readings: list[tuple[float, float]], start: float, end: float) -> float | None:
-    """Seconds from ``start`` to the first reading under FED_RATIO that begins a stretch of
-    such readings lasting FED_HOLD_S (or to the job's ``end``): one low reading in a starving
-    start (the first batches were ready before the trainer) is not fed."""
-    for index, (at, _) in enumerate(readings):
-        stretch = [w for t, w in readings[index:] if t <= min(at + FED_HOLD_S, end)]
-        if all(w < FED_RATIO for w in stretch):
-            return round(at - start, 1)
-    return None
+    """Seconds from ``start`` to the reading from which the data wait stays under FED_RATIO to
+    the job's ``end``, a stretch of at least FED_HOLD_S (None: the trainers never got there).
+    The batches made before the trainer began keep it fed for its first seconds whatever the
+    pool, and a pool that shrinks too soon starves it again: neither is fed."""
+    fed_at: float | None = None
+    for at, wait in readings:
+        if wait >= FED_RATIO:
+            fed_at = None
+        elif fed_at is None:
+            fed_at = at
+    if fed_at is None or min(end, readings[-1][0]) - fed_at < FED_HOLD_S:
+        return None
+    return round(fed_at - start, 1)
 
 
 def run_one(policy: str, args: argparse.Namespace) -> RunResult:
@@ -272,7 +278,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=80_000)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--cost-ms", type=float, default=2.0, help="CPU per sample")
-    parser.add_argument("--step-delay-s", type=float, default=0.025, help="per micro-batch")
+    parser.add_argument("--step-delay-s", type=float, default=0.035, help="per micro-batch")
     parser.add_argument("--lag-threshold", type=int, default=2, help="shard tasks per replica")
     parser.add_argument("--lag-poll-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
