@@ -17,10 +17,10 @@ costs no CPU), so one preprocessor cannot feed it and ``--peak`` can:
 Measured from the job's submission: **seconds to fed**, until the trainers' data wait (the
 gateway's job progress: their recent exposed data wait / step time) is under 5% and stays
 there to the job's end, at least 10 s (None: never; the batches made before the trainer began
-keep every pool fed for its first seconds, so that is not counted), and **preprocessor-seconds**, the
-preprocessor processes alive (stack.json, sampled every 0.5 s) integrated from the submission
-to ``--idle-s`` after the job's end (a pool costs while it waits for the next job; the
-autoscaler's cooldown is 60 s).
+keep every pool fed for its first seconds, so that is not counted), and
+**preprocessor-seconds**, the preprocessor processes alive (stack.json, sampled every 0.5 s)
+integrated from the submission to ``--idle-s`` after the job's end (a pool costs while it
+waits for the next job; the autoscaler's cooldown is 60 s).
 
 ``--model`` runs the three policies on the fluid model of ``loadtests/autoscale_model.py``
 instead (the real policy fold, a simulated pipeline: seconds, no processes), for the sizes a
