@@ -22,13 +22,16 @@ TRAIN_BATCHES = 45  # 1438 train samples / micro-batch 32, the last one partial
 T0 = 1_000.0
 
 
-def spec() -> JobSpec:
+def spec(window: int = 1) -> JobSpec:
+    """The digits demo's job; ``window`` > 1: local mode with that many inner steps."""
+    local = {"mode": "local", "sync_every_steps": window} if window > 1 else {}
     return JobSpec.from_dict({
         "name": "digits",
         "model": {"name": "small_cnn"},
         "dataset": {"uri": "builtin://sklearn-digits"},
         "training": {"epochs": EPOCHS, "global_batch_size": 64, "micro_batch_size": 32,
                      "optimizer": {"name": "sgd", "lr": 0.1}},
+        "distribution": local,
     })  # fmt: skip
 
 
@@ -55,15 +58,20 @@ def contribution(
 
 
 def train_in_lockstep(
-    trainers: int, *, throughputs: list[float], first_hears_only_itself: bool = False
+    trainers: int,
+    *,
+    throughputs: list[float],
+    first_hears_only_itself: bool = False,
+    window: int = 1,
 ) -> tuple[list[int], list[str]]:
     """Every trainer takes what its control fold says from the batches routed to it (each
     epoch's batches spread by the coordinator's routing at the epoch's start over the
     partitions the consumer group's round robin gives it), the coordinator closes each step;
     a rejected contribution's batches go back to its trainer. Returns the micro-batches of
     every step (0: an empty one) and the rejections' reasons. ``first_hears_only_itself``:
-    the first trainer starts before the others' heartbeats reach it."""
-    job = spec()
+    the first trainer starts before the others' heartbeats reach it. ``window`` > 1: local
+    mode, each contribution a window of that many inner steps of the trainer's share."""
+    job = spec(window)
     partitions = max(2, 2 * trainers)  # the sharder's default topology for the job
     coordinator = Coordinator(CoordinatorConfig(
         job_id=JOB, spec=job, train_batches_per_epoch=TRAIN_BATCHES, eval_batches_per_epoch=0,
@@ -98,7 +106,7 @@ def train_in_lockstep(
         taken: dict[str, list[int]] = {}
         for w in workers:
             control = controls[w]
-            wanted = control.micro_batches_for(job.micro_batches_per_step, T0)
+            wanted = control.micro_batches_for(job.micro_batches_per_step, T0) * window
             taken[w], held[w] = held[w][:wanted], held[w][wanted:]
             coordinator.fold(contribution(w, sequence, control.version, routed_epoch, taken[w]))
             sequence += 1
@@ -146,6 +154,34 @@ def test_a_first_step_split_on_different_views_of_the_pool_holds_the_global_batc
     assert steps[0] == 2 and max(steps) == 2  # without the cap: 3 (the demo's 114 steps)
     assert sum(steps) == EPOCHS * TRAIN_BATCHES
     assert EPOCHS * math.ceil(TRAIN_BATCHES / 2) <= len(steps) <= EPOCHS * 23 + 1
+
+
+@pytest.mark.parametrize("trainers", [2, 4])
+def test_a_first_local_window_split_on_different_views_of_the_pool_holds_the_global_batch(
+    trainers: int,
+) -> None:
+    # The same blind first split in local mode: the first trainer's window of 8 inner steps
+    # of the whole step (16 micro-batches) beside the others' 8 steps of their shares.
+    steps, reasons = train_in_lockstep(
+        trainers, throughputs=[100.0] * trainers, first_hears_only_itself=True, window=8
+    )
+    assert reasons == ["over the global batch"]
+    assert max(steps) == 16  # without the cap: 24 (2 trainers), 20 (4)
+    assert sum(steps) == EPOCHS * TRAIN_BATCHES
+
+
+@pytest.mark.parametrize(
+    ("trainers", "epoch_windows"),
+    # Four trainers take turns by window, two of them (1 micro-batch each) per inner step, so
+    # the end of an epoch's batches falls to two turns.
+    [(1, [16, 16, 13]), (2, [16, 16, 13]), (4, [16, 16, 7, 6])],
+)
+def test_local_windows_hold_the_same_global_batches_for_any_number_of_trainers(
+    trainers: int, epoch_windows: list[int]
+) -> None:
+    steps, reasons = train_in_lockstep(trainers, throughputs=[100.0] * trainers, window=8)
+    assert reasons == []
+    assert steps == epoch_windows * EPOCHS
 
 
 def test_more_trainers_than_micro_batches_take_turns() -> None:

@@ -19,8 +19,8 @@ is rejected ("training finished"), so each one gets an answer. Nothing is decide
 earlier decision has not come back through the log. Decisions also reject a contribution
 whose sample ids are outside the dataset or whose batch ids are not all of its epoch ("invalid
 sample ids", "invalid batch ids"), and, in sync mode, what would take a step past the global
-batch ("over the global batch": trainers that split the first step before any allocation may
-each count other trainers live).
+batch, or a local window past ``sync_every_steps`` global batches ("over the global batch":
+trainers that split the first step before any allocation may each count other trainers live).
 
 Allocation (``distribution.allocation``): adaptive gives each live trainer micro-batches per
 step in proportion to its measured throughput and publishes a ``routing`` of the batches
@@ -159,7 +159,7 @@ class Coordinator(CoordinatorState):
             else:
                 included.append(contribution)
                 batches.update(contribution.batch_ids)
-        if self.sync and not self.local:
+        if self.sync:
             included, over = self._fit_global_batch(included)
             rejections.extend(self._reject(c, "over the global batch") for c in over)
         close = self._close(included, now)
@@ -170,12 +170,14 @@ class Coordinator(CoordinatorState):
         self, ready: list[Contribution]
     ) -> tuple[list[Contribution], list[Contribution]]:
         """Sync: the contributions a step takes, at most ``micro_batches_per_step`` micro-batches
-        in all, and those left over (rejected, so recomputed on the new version). Before the
-        first allocation each trainer splits the step over the trainers it has heard from, and
-        two that have not heard from the same ones bring more than a step between them (one
-        alone takes the whole step, the other its share). The largest fit first; the kept ones
-        stay in arrival order."""
+        in all (local mode: a window's, ``sync_every_steps`` times that), and those left over
+        (rejected, so recomputed on the new version). Before the first allocation each trainer
+        splits the step over the trainers it has heard from, and two that have not heard from
+        the same ones bring more than a step between them (one alone takes the whole step, the
+        other its share). The largest fit first; the kept ones stay in arrival order."""
         limit = self.config.micro_batches_per_step
+        if self.local:
+            limit *= self.config.spec.distribution.sync_every_steps or 1
         if sum(len(c.batch_ids) for c in ready) <= limit:
             return ready, []
         kept: set[str] = set()
