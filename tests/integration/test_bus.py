@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 import torch
+from aiokafka import TopicPartition
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -231,6 +232,60 @@ async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
     assert not acked_first & set(later)
     assert acked_first | set(later) == {f"e{i}" for i in range(total)}
     assert len(later) == total - len(first)
+
+
+@pytest.mark.parametrize("grace_s", [15.0, 0.0])
+async def test_revoke_grace_lets_records_in_flight_finish_so_none_is_done_twice(
+    settings: KafkaSettings, grace_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic, partitions=2))
+    total = 40
+    await publish_all(settings, topic, (event(i) for i in range(total)))
+    no_periodic_commit = 3600.0
+    a = Consumer(settings, [topic], group_id=group(settings),
+                 commit_interval_s=no_periodic_commit, revoke_grace_s=grace_s)  # fmt: skip
+    b = Consumer(settings, [topic], group_id=group(settings), commit_interval_s=no_periodic_commit)
+    async with a:
+        in_flight = [await asyncio.wait_for(a.get(), 15) for _ in range(10)]
+        revoke = a._on_revoked
+        finished = asyncio.Event()
+
+        async def revoked_while_working(revoked: set[TopicPartition]) -> None:
+            def finish() -> None:  # the handlers' work ends 0.2 s into the revocation
+                for received in in_flight:
+                    a.ack(received)
+                finished.set()
+
+            asyncio.get_running_loop().call_later(0.2, finish)
+            await revoke(revoked)
+
+        monkeypatch.setattr(a, "_on_revoked", revoked_while_working)
+        async with b:  # joining revokes a's partitions
+            await wait_assigned(a, b, partitions=2)
+            await asyncio.wait_for(finished.wait(), 15)
+            later: list[str] = []
+
+            async def drain(consumer: Consumer) -> None:
+                async for received in consumer:
+                    later.append(received.message.reason)  # type: ignore[attr-defined]
+                    consumer.ack(received)
+
+            tasks = [asyncio.create_task(drain(c)) for c in (a, b)]
+            expected = total - len(in_flight) if grace_s else total
+            deadline = time.monotonic() + 15
+            while len(later) < expected:
+                assert time.monotonic() < deadline, f"only {len(later)} records came back"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # a redelivery, if any, would show up now
+            for task in tasks:
+                task.cancel()
+    finished = {r.message.reason for r in in_flight}  # type: ignore[attr-defined]
+    assert finished | set(later) == {f"e{i}" for i in range(total)}
+    if grace_s:  # finished within the grace: committed with the revocation, not redone
+        assert not finished & set(later) and len(later) == total - len(in_flight)
+    else:  # without it their acks came too late: the partitions' owners did them again
+        assert finished <= set(later) and len(later) == total
 
 
 _HOLDER_SCRIPT = textwrap.dedent(

@@ -50,7 +50,9 @@ class Consumer(AsyncLifecycle):
     * Commits (the contiguous acked prefix per partition) happen every ``commit_interval_s``
       inside :meth:`get`, on :meth:`commit`, when partitions are revoked and on :meth:`stop`.
     * On revocation the revoked partitions' in-flight state is dropped: acks of records
-      delivered before it are ignored, the partition's next owner gets them again.
+      delivered before it are ignored, the partition's next owner gets them again. With
+      ``revoke_grace_s`` the revocation first waits (that long at most) for those records'
+      acks, so that they commit instead of being done twice.
     * An undecodable record (:class:`CodecError`, or no value) is published as a
       :class:`DeadLetter` to ``Topics(prefix).dlq``, counted, acked and skipped.
     * Lag (high-water mark - position per assigned partition) is :meth:`lag`, and the gauge
@@ -68,12 +70,19 @@ class Consumer(AsyncLifecycle):
         commit_interval_s: float = 1.0,
         poll_timeout_s: float = 0.5,
         drain_timeout_s: float = 30.0,
+        revoke_grace_s: float = 0.0,
         dead_letter_producer: Producer | None = None,
     ) -> None:
         """``dead_letter_producer``: a started producer to reuse for dead letters; by default
         the consumer starts its own. ``drain_timeout_s``: how long :meth:`stop` waits for the
         handlers of a running :meth:`run`. ``poll_timeout_s``: longest wait of one fetch, which
-        bounds how late :meth:`stop` is noticed by a waiting :meth:`get`."""
+        bounds how late :meth:`stop` is noticed by a waiting :meth:`get`.
+
+        ``revoke_grace_s``: on a rebalance, how long the revocation waits for the records
+        already delivered from the revoked partitions to be acked (0: no wait). The
+        whole group's rebalance waits meanwhile, so use it only where a record's handling
+        finishes without the group, e.g. :meth:`run`'s handlers doing CPU work; never where an
+        ack waits for another member of the same group (that member waits for the rebalance)."""
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         if not group_id:
@@ -85,6 +94,9 @@ class Consumer(AsyncLifecycle):
         ]:
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if revoke_grace_s < 0:
+            raise ValueError(f"revoke_grace_s must be >= 0, got {revoke_grace_s}")
+        self._revoke_grace_s = revoke_grace_s
         self._settings = settings
         self._topics = list(topics)
         self._group_id = group_id
@@ -106,6 +118,8 @@ class Consumer(AsyncLifecycle):
         self._paused = False
         self._resting = False
         self._capacity = asyncio.Event()
+        self._acked = asyncio.Event()
+        """Replaced (the old one set) on every ack: what a revocation's grace waits on."""
         self._joined = asyncio.Event()
         self._settled = asyncio.Event()
         """Set while this member holds an assignment: cleared when a rebalance revokes it, set
@@ -306,7 +320,11 @@ class Consumer(AsyncLifecycle):
         """Mark ``received`` processed: it may be committed once every earlier record of its
         partition is acked too. Acking twice, or after its partition was revoked, does nothing."""
         tp = (received.topic, received.partition)
-        if self._in_flight.ack(tp, received._offsets, received.offset) and not self._in_flight.full:
+        if not self._in_flight.ack(tp, received._offsets, received.offset):
+            return
+        acked, self._acked = self._acked, asyncio.Event()
+        acked.set()
+        if not self._in_flight.full:
             self._capacity.set()
             if self._paused:
                 self._resume()
@@ -432,6 +450,8 @@ class Consumer(AsyncLifecycle):
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._settled.clear()
+        if self._revoke_grace_s > 0:
+            await self._await_acks(revoked)
         consumer = self._consumer
         if consumer is not None:
             try:
@@ -442,6 +462,27 @@ class Consumer(AsyncLifecycle):
         for tp in revoked:
             self._holes.forget(tp)
         self._capacity.set()
+
+    async def _await_acks(self, revoked: set[TopicPartition]) -> None:
+        """Wait, at most ``revoke_grace_s``, until no record of ``revoked`` is unacked."""
+        if not self._in_flight.unacked_in(revoked):
+            return
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self._revoke_grace_s):
+                while self._in_flight.unacked_in(revoked):
+                    await self._acked.wait()
+        except TimeoutError:
+            logger.warning(
+                "group %s: %d record(s) still unacked after %.0fs of revocation; the "
+                "partitions' next owner gets them again", self._group_id,
+                self._in_flight.unacked_in(revoked), self._revoke_grace_s,
+            )  # fmt: skip
+            return
+        logger.info(
+            "group %s: finished the revoked partitions' records in %.2fs",
+            self._group_id, time.monotonic() - started,
+        )  # fmt: skip
 
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._in_flight.assign(assigned)

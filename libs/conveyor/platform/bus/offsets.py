@@ -150,6 +150,10 @@ class InFlight:
         self.unacked -= 1
         return True
 
+    def unacked_in(self, partitions: Iterable[tuple[str, int]]) -> int:
+        """Delivered, not acknowledged records of ``partitions``."""
+        return sum(o.unacked for tp in partitions if (o := self.partitions.get(tp)) is not None)
+
     def offsets_to_commit(self, partitions: Iterable[tuple[str, int]]) -> dict[Any, int]:
         """``{partition: commit offset}`` for the partitions whose commit point moved."""
         result: dict[Any, int] = {}

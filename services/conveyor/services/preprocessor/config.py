@@ -25,6 +25,15 @@ class PreprocessorSettings(_FileAwareSettings):
             "max in-flight, so a process never holds more tasks than it works on."
         ),
     )
+    revoke_grace_s: Annotated[float, Field(ge=0, le=300)] = Field(
+        default=30.0,
+        description=(
+            "When the shards group rebalances (a preprocessor joins or leaves), how long this "
+            "one finishes the tasks it is working on before giving their partitions up, so "
+            "that they are committed instead of done again by the partitions' next owner; the "
+            "group's rebalance waits meanwhile. 0 gives them up at once."
+        ),
+    )
     dataset_cache_size: Annotated[int, Field(ge=1, le=1024)] = Field(
         default=8, description="Open datasets kept per process (least recently used dropped)."
     )

@@ -143,6 +143,7 @@ class PreprocessorService(Service):
                 group_id=self.group_id,
                 max_in_flight=self.settings.concurrency,
                 drain_timeout_s=max(1.0, self.drain_timeout_s - 5.0),
+                revoke_grace_s=self.settings.revoke_grace_s,
                 dead_letter_producer=producer,
             ) as consumer,
         ):
