@@ -89,3 +89,21 @@ def test_in_flight_bounds_delivery_and_forgets_revoked_partitions() -> None:
     in_flight.committed({("t", 0): 1})
     assert in_flight.offsets_to_commit([("t", 0)]) == {}
     assert in_flight.positions() == {("t", 0): 1, ("t", 1): None}
+
+
+def test_a_revocation_in_grace_keeps_the_records_in_hand_and_drops_those_not_started() -> None:
+    in_flight = InFlight(max_in_flight=4)
+    in_flight.assign([("t", 0), ("t", 1)])
+    in_flight.add_fetched([Record("t", 0, 0), Record("t", 1, 3)])
+    for _ in range(2):
+        item = in_flight.next_fetched()
+        assert item is not None
+        in_flight.deliver(item[1], item[0].offset)
+    in_flight.add_fetched([Record("t", 0, 1), Record("t", 1, 4)])
+    assert in_flight.unacked_in([("t", 0)]) == 1 and in_flight.unacked_in([("t", 9)]) == 0
+
+    in_flight.drop_fetched([("t", 0)])  # partition 0 is being revoked: offset 1 not started
+    assert in_flight.unacked_in([("t", 0)]) == 1  # offset 0 is still in hand
+    item = in_flight.next_fetched()
+    assert item is not None and (item[0].partition, item[0].offset) == (1, 4)
+    assert in_flight.next_fetched() is None

@@ -451,6 +451,7 @@ class Consumer(AsyncLifecycle):
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._settled.clear()
         if self._revoke_grace_s > 0:
+            self._in_flight.drop_fetched(revoked)  # no new record of them starts meanwhile
             await self._await_acks(revoked)
         consumer = self._consumer
         if consumer is not None:

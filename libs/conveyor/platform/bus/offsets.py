@@ -108,7 +108,7 @@ class InFlight:
             offsets = self.partitions.pop(tp, None)
             if offsets is not None:
                 self.unacked -= offsets.unacked
-        self._fetched = deque(r for r in self._fetched if (r.topic, r.partition) not in revoked)
+        self.drop_fetched(revoked)
 
     def clear(self) -> None:
         self.revoke(list(self.partitions))
@@ -149,6 +149,12 @@ class InFlight:
             return False
         self.unacked -= 1
         return True
+
+    def drop_fetched(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Forget the fetched, undelivered records of ``partitions`` (the next owner of the
+        partitions reads them; nothing delivered changes)."""
+        dropped = set(partitions)
+        self._fetched = deque(r for r in self._fetched if (r.topic, r.partition) not in dropped)
 
     def unacked_in(self, partitions: Iterable[tuple[str, int]]) -> int:
         """Delivered, not acknowledged records of ``partitions``."""
