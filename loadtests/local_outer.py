@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import yaml
+from torch import nn
 from torch.nn import functional as F
 
 from conveyor.training.datasets import open_array_dataset
@@ -65,50 +67,40 @@ def overlap_of(setting: str) -> int:
     return int(steps) if head else 0
 
 
-def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
-    """Eval accuracy of the digits demo trained with ``setting`` (a key of SETTINGS)."""
-    window, inner_spec, outer_spec = SETTINGS[setting]
-    overlap = overlap_of(setting)
-    data: dict[str, Any] = yaml.safe_load(DEMO_SPEC.read_text())
-    data["training"].update(seed=seed, epochs=epochs)
-    if inner_spec is not None:
-        data["training"]["optimizer"] = inner_spec
-    spec = JobSpec.from_dict(data)
-    dataset = open_array_dataset(spec.dataset.uri)
-    train_ids, eval_ids = split_ids(dataset.num_samples, spec.dataset.eval_fraction, seed)
-    shape = dataset.sample_shape
-    model = build_job_model(spec, num_classes=dataset.num_classes, sample_shape=shape)
+def train_simulated(
+    spec: JobSpec,
+    build: Callable[[], nn.Module],
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    epochs: Iterable[list[torch.Tensor]],
+    *,
+    window: int,
+    outer_spec: dict[str, Any] | None,
+    overlap: int = 0,
+) -> nn.Module:
+    """The model ``build`` makes (the job's version 0) trained as two trainers of ``spec``
+    would: ``epochs`` yields each epoch's global batches (sample ids; trainer r takes the r-th
+    micro-batch of each), ``loss(model, ids)`` is the mean loss of a micro-batch; sync
+    (``outer_spec`` None) steps ``spec``'s optimizer on the global batch, local mode takes
+    ``window`` inner steps per trainer and one outer step of ``outer_spec`` on the
+    sample-weighted mean delta, its first ``overlap`` steps (after the first window) carried."""
+    model = build()
     layout = ParamLayout.from_model(model)
-    norm = spec.preprocess.normalize
-    assert norm is not None
-    mean = torch.tensor(norm.mean).view(1, -1, 1, 1)
-    std = torch.tensor(norm.std).view(1, -1, 1, 1)
-    images, labels = dataset.read(list(range(dataset.num_samples)))
-    x_all = (torch.from_numpy(np.asarray(images)).float() / 255.0 - mean) / std  # [S, C, H, W]
-    y_all = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
-
     version = torch.nn.Parameter(layout.flatten_params(model))  # [N], the published parameters
-    outer = None if outer_spec is None else build_optimizer(OptimizerSpec(**outer_spec), [version])
-    replicas = [
-        build_job_model(spec, num_classes=dataset.num_classes, sample_shape=shape)
-        for _ in range(TRAINERS)
-    ]
-    inners = [build_optimizer(spec.training.optimizer, r.parameters()) for r in replicas]
-    if outer is None:  # sync: one optimizer over the version, the global batch per step
-        layout.load_flat(model, version.detach())
-        inners = [build_optimizer(spec.training.optimizer, model.parameters())]
     micro = spec.training.micro_batch_size
-    for epoch in range(epochs):
-        order = torch.as_tensor(np.asarray(epoch_order(train_ids, seed, epoch)))
-        steps = [order[i : i + micro * TRAINERS] for i in range(0, len(order), micro * TRAINERS)]
+    if outer_spec is None:  # sync: one optimizer over the version, the global batch per step
+        optimizer = build_optimizer(spec.training.optimizer, model.parameters())
+        for steps in epochs:
+            for rows in steps:
+                loss(model, rows).backward()  # type: ignore[no-untyped-call]
+                optimizer.step()
+                model.zero_grad(set_to_none=True)
+        return model
+    outer = build_optimizer(OptimizerSpec(**outer_spec), [version])
+    replicas = [build() for _ in range(TRAINERS)]
+    inners = [build_optimizer(spec.training.optimizer, r.parameters()) for r in replicas]
+    for steps in epochs:
         for first in range(0, len(steps), window):
             window_steps = steps[first : first + window]
-            if outer is None:
-                for rows in window_steps:
-                    F.cross_entropy(model(x_all[rows]), y_all[rows]).backward()  # type: ignore[no-untyped-call]
-                    inners[0].step()
-                    model.zero_grad(set_to_none=True)
-                continue
             delta = torch.zeros_like(version)  # [N]
             samples = 0
             for rank, (replica, inner) in enumerate(zip(replicas, inners, strict=True)):
@@ -124,7 +116,7 @@ def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
                     part = rows[rank * micro : (rank + 1) * micro]
                     if len(part) == 0:
                         continue
-                    F.cross_entropy(replica(x_all[part]), y_all[part]).backward()  # type: ignore[no-untyped-call]
+                    loss(replica, part).backward()  # type: ignore[no-untyped-call]
                     inner.step()
                     replica.zero_grad(set_to_none=True)
                     mine += len(part)
@@ -135,7 +127,47 @@ def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
                 samples += mine
             version.grad = delta / samples
             outer.step()
-    layout.load_flat(model, version.detach() if outer is not None else layout.flatten_params(model))
+    layout.load_flat(model, version.detach())
+    return model
+
+
+def global_batches(
+    train_ids: np.ndarray, seed: int, epochs: int, size: int
+) -> Iterator[list[torch.Tensor]]:
+    """Each epoch's global batches of ``size`` sample ids, in the plan's order."""
+    for epoch in range(epochs):
+        order = torch.as_tensor(np.asarray(epoch_order(train_ids, seed, epoch)))
+        yield [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def local_accuracy(setting: str, *, seed: int, epochs: int = 5) -> float:
+    """Eval accuracy of the digits demo trained with ``setting`` (a key of SETTINGS)."""
+    window, inner_spec, outer_spec = SETTINGS[setting]
+    data: dict[str, Any] = yaml.safe_load(DEMO_SPEC.read_text())
+    data["training"].update(seed=seed, epochs=epochs)
+    if inner_spec is not None:
+        data["training"]["optimizer"] = inner_spec
+    spec = JobSpec.from_dict(data)
+    dataset = open_array_dataset(spec.dataset.uri)
+    train_ids, eval_ids = split_ids(dataset.num_samples, spec.dataset.eval_fraction, seed)
+    shape = dataset.sample_shape
+    norm = spec.preprocess.normalize
+    assert norm is not None
+    mean = torch.tensor(norm.mean).view(1, -1, 1, 1)
+    std = torch.tensor(norm.std).view(1, -1, 1, 1)
+    images, labels = dataset.read(list(range(dataset.num_samples)))
+    x_all = (torch.from_numpy(np.asarray(images)).float() / 255.0 - mean) / std  # [S, C, H, W]
+    y_all = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
+
+    def build() -> nn.Module:
+        return build_job_model(spec, num_classes=dataset.num_classes, sample_shape=shape)
+
+    def loss(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x_all[rows]), y_all[rows])
+
+    batches = global_batches(train_ids, seed, epochs, spec.training.micro_batch_size * TRAINERS)
+    model = train_simulated(spec, build, loss, batches, window=window, outer_spec=outer_spec,
+                            overlap=overlap_of(setting))  # fmt: skip
     rows = torch.as_tensor(np.asarray(eval_ids))
     with torch.no_grad():
         return float((model(x_all[rows]).argmax(1) == y_all[rows]).float().mean())
