@@ -159,9 +159,9 @@ class KafkaSettings(_FileAwareSettings):
             "(jobs, shard tasks, batches, reports) reads ahead or waits for nothing a step "
             "needs. The embedded broker holds a fetch for part of this even when records "
             "arrive (hop median ~9 ms at 50, ~30 ms at 200), and every empty fetch costs CPU in "
-            "the client and the broker: an idle embedded stack used 15% of a core at 200 and "
-            "9% at 1000, and Conveyor's CPU per sample in bench_decode fell ~15% from 200 to "
-            "500 on 2 cores."
+            "the client and the broker: an idle embedded stack used 15% of a core at 200, 10% "
+            "at 500 and 9% at 1000, and Conveyor's CPU per sample in bench_decode fell ~15% "
+            "from 200 to 500 on 2 cores."
         ),
     )
     plane_fetch_max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] = Field(
