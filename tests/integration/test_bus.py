@@ -197,6 +197,27 @@ async def test_leaving_while_another_member_joins_does_not_wedge_the_group(
         await joining.stop()
 
 
+async def read_by_all(*consumers: Consumer, count: int) -> list[str]:
+    """The reasons of the records ``consumers`` read (acking each) until ``count`` came, and
+    0.3 s more: a redelivery, if any, would show up then."""
+    read: list[str] = []
+
+    async def drain(consumer: Consumer) -> None:
+        async for received in consumer:
+            read.append(received.message.reason)  # type: ignore[attr-defined]
+            consumer.ack(received)
+
+    tasks = [asyncio.create_task(drain(c)) for c in consumers]
+    deadline = time.monotonic() + 15
+    while len(read) < count:
+        assert time.monotonic() < deadline, f"only {len(read)} records came back"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    for task in tasks:
+        task.cancel()
+    return read
+
+
 async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
     settings: KafkaSettings,
 ) -> None:
@@ -213,21 +234,7 @@ async def test_revoke_commits_acked_records_so_the_new_owner_skips_them(
             a.ack(received)
         async with b:  # joining revokes a's partitions: a commits its acks before they move
             await wait_assigned(a, b, partitions=2)
-            later: list[str] = []
-
-            async def drain(consumer: Consumer) -> None:
-                async for received in consumer:
-                    later.append(received.message.reason)  # type: ignore[attr-defined]
-                    consumer.ack(received)
-
-            tasks = [asyncio.create_task(drain(c)) for c in (a, b)]
-            deadline = time.monotonic() + 15
-            while len(later) < total - len(first):
-                assert time.monotonic() < deadline, f"only {len(later)} records came back"
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # a redelivery, if any, would show up now
-            for task in tasks:
-                task.cancel()
+            later = await read_by_all(a, b, count=total - len(first))
     acked_first = {r.message.reason for r in first}  # type: ignore[attr-defined]
     assert not acked_first & set(later)
     assert acked_first | set(later) == {f"e{i}" for i in range(total)}
@@ -264,28 +271,13 @@ async def test_revoke_grace_lets_records_in_flight_finish_so_none_is_done_twice(
         async with b:  # joining revokes a's partitions
             await wait_assigned(a, b, partitions=2)
             await asyncio.wait_for(finished.wait(), 15)
-            later: list[str] = []
-
-            async def drain(consumer: Consumer) -> None:
-                async for received in consumer:
-                    later.append(received.message.reason)  # type: ignore[attr-defined]
-                    consumer.ack(received)
-
-            tasks = [asyncio.create_task(drain(c)) for c in (a, b)]
-            expected = total - len(in_flight) if grace_s else total
-            deadline = time.monotonic() + 15
-            while len(later) < expected:
-                assert time.monotonic() < deadline, f"only {len(later)} records came back"
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # a redelivery, if any, would show up now
-            for task in tasks:
-                task.cancel()
-    finished = {r.message.reason for r in in_flight}  # type: ignore[attr-defined]
-    assert finished | set(later) == {f"e{i}" for i in range(total)}
+            later = await read_by_all(a, b, count=total - len(in_flight) if grace_s else total)
+    in_hand = {r.message.reason for r in in_flight}  # type: ignore[attr-defined]
+    assert in_hand | set(later) == {f"e{i}" for i in range(total)}
     if grace_s:  # finished within the grace: committed with the revocation, not redone
-        assert not finished & set(later) and len(later) == total - len(in_flight)
+        assert not in_hand & set(later) and len(later) == total - len(in_flight)
     else:  # without it their acks came too late: the partitions' owners did them again
-        assert finished <= set(later) and len(later) == total
+        assert in_hand <= set(later) and len(later) == total
 
 
 _HOLDER_SCRIPT = textwrap.dedent(
