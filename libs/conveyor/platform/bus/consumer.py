@@ -78,11 +78,10 @@ class Consumer(AsyncLifecycle):
         handlers of a running :meth:`run`. ``poll_timeout_s``: longest wait of one fetch, which
         bounds how late :meth:`stop` is noticed by a waiting :meth:`get`.
 
-        ``revoke_grace_s``: on a rebalance, how long the revocation waits for the records
-        already delivered from the revoked partitions to be acked (0: no wait). The
-        whole group's rebalance waits meanwhile, so use it only where a record's handling
-        finishes without the group, e.g. :meth:`run`'s handlers doing CPU work; never where an
-        ack waits for another member of the same group (that member waits for the rebalance)."""
+        ``revoke_grace_s``: how long a revocation waits for the revoked partitions' delivered
+        records to be acked (0: no wait). The group's rebalance waits meanwhile: use it only
+        where handling finishes without the group (e.g. :meth:`run`'s CPU-bound handlers),
+        never where an ack waits for another member (which waits for the rebalance)."""
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         if not group_id:
