@@ -173,28 +173,36 @@ async def test_member_leaving_hands_over_the_rest(settings: KafkaSettings) -> No
     assert len(seen["b"]) >= total - 40
 
 
+@pytest.mark.parametrize("generation", [0, 1])
 async def test_leaving_while_another_member_joins_does_not_wedge_the_group(
-    settings: KafkaSettings,
+    settings: KafkaSettings, generation: int
 ) -> None:
     # Tansu 0.6 wedges a group for good when its leader sends LeaveGroup while another
     # member's JoinGroup is pending (every SyncGroup then fails); the bus leaves by session
     # timeout in that case. The leaving member heartbeats rarely, so it has not yet heard of
-    # the join when it stops, as an aggregator stopped right after a new one started.
+    # the join when it stops, as an aggregator stopped right after a new one started. At
+    # generation 1 the leader leaves a group that another member stays in, as a trainer
+    # taken off an elastic job while a third one joins it.
     topic = Topics(settings.topic_prefix).shards
-    await create(settings, TopicSpec(topic, partitions=2))
+    await create(settings, TopicSpec(topic, partitions=4))
     quiet = settings.model_copy(update={"heartbeat_interval_s": settings.session_timeout_s * 0.8})
     leaving = Consumer(quiet, [topic], group_id=group(settings))
+    staying = [Consumer(settings, [topic], group_id=group(settings)) for _ in range(generation)]
     joining = Consumer(settings, [topic], group_id=group(settings))
     await leaving.start()
     try:
-        await wait_assigned(leaving, partitions=2)
+        await wait_assigned(leaving, partitions=4)
+        for consumer in staying:
+            await consumer.start()
+            await wait_assigned(leaving, *staying, partitions=4)
         await joining.start()
         await asyncio.sleep(0.2)  # its JoinGroup is at the broker, which holds joins a while
         await leaving.stop()
-        await wait_assigned(joining, partitions=2, timeout_s=6 * settings.session_timeout_s)
+        settle_s = 6 * settings.session_timeout_s
+        await wait_assigned(*staying, joining, partitions=4, timeout_s=settle_s)
     finally:
-        await leaving.stop()
-        await joining.stop()
+        for consumer in (leaving, *staying, joining):
+            await consumer.stop()
 
 
 async def read_by_all(*consumers: Consumer, count: int) -> list[str]:

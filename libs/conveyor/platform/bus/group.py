@@ -50,14 +50,15 @@ async def stop_and_leave(consumer: AIOKafkaConsumer, group_id: str) -> None:
     every generation (aiokafka 0.14 internals; the version is pinned), after the coordinator
     stopped heartbeating and before the connection closes, and the whole leave is bounded.
 
-    Tansu 0.6 wedges a group for good when its generation-0 leader leaves while another
-    member's JoinGroup is pending: every later join names the departed member as leader and
-    every SyncGroup fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator
-    stopped while a second one joined hung its job). So at generation 0 a heartbeat goes
-    first; when it says the group is rebalancing, no LeaveGroup goes out and the broker drops
-    this member after its session timeout instead, which Tansu handles. Later generations
-    leave always: skipping it there would hold the other members' joins for a session
-    timeout (and their own stops with them), and no wedge was seen past generation 0.
+    Tansu 0.6 wedges a group for good when its leader leaves while another member's
+    JoinGroup is pending: every later join names the departed member as leader and every
+    SyncGroup fails with REBALANCE_IN_PROGRESS, fresh members included (an aggregator stopped
+    while a second one joined hung its job at generation 0; the scheduling test's elastic
+    job hung at generation 3 the same way; a test reproduces it at generation 1). So a
+    heartbeat goes first, at any generation; when it says the group is rebalancing, no
+    LeaveGroup goes out and the broker drops this member after its session timeout instead,
+    which Tansu handles. The others' join then waits out that timeout: a slower rebalance,
+    once, instead of a dead group.
     """
     coordinator = getattr(consumer, "_coordinator", None)
     try:
@@ -80,7 +81,7 @@ async def _leave(coordinator: Any, group_id: str) -> None:
     generation = getattr(coordinator, "generation", -1)
     if coordinator is None or generation < 0 or not member_id:
         return
-    rebalancing = generation == 0 and await _rebalancing(coordinator, group_id, member_id)
+    rebalancing = await _rebalancing(coordinator, group_id, generation, member_id)
     if rebalancing:
         logger.info(
             "group %s: a member is joining; leaving by session timeout, not LeaveGroup",
@@ -95,10 +96,10 @@ async def _leave(coordinator: Any, group_id: str) -> None:
             logger.warning("group %s: LeaveGroup failed: %s", group_id, exc)
 
 
-async def _rebalancing(coordinator: Any, group_id: str, member_id: str) -> bool:
+async def _rebalancing(coordinator: Any, group_id: str, generation: int, member_id: str) -> bool:
     """Whether the group coordinator answers a heartbeat with REBALANCE_IN_PROGRESS, or not
     within :data:`PROBE_TIMEOUT_S` (Tansu can hold it during a join: assume the worst)."""
-    request = HeartbeatRequest(group_id, 0, member_id)
+    request = HeartbeatRequest(group_id, generation, member_id)
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
             response = await coordinator._send_req(request)
