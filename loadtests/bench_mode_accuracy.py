@@ -3,7 +3,8 @@
 The task (``loadtests/distorted_digits.py``): scikit-learn's handwritten digits upsampled to
 ``--size`` pixels under random affine and elastic distortion with pixel noise, eval images from
 held-out writers; ``--samples`` samples, 20% eval. Model small_cnn, global batch 64 of
-micro-batches of 32, SGD lr 0.1 momentum 0.9, 2 trainers, 2 slices, ``--epochs`` epochs.
+micro-batches of 32, SGD lr 0.1 momentum 0.9 (constant, or with
+``--schedule cosine`` decayed to 0 over the job), 2 trainers, 2 slices, ``--epochs`` epochs.
 Systems, each trained in process by the reference of its update rule
 (``loadtests/mode_reference.py``; the same seeds, data, initial weights and sample order):
 
@@ -16,6 +17,7 @@ Systems, each trained in process by the reference of its update rule
 
     .venv/bin/python -m loadtests.bench_mode_accuracy --seeds 3             # CPU: ~1 h
     .venv/bin/python -m loadtests.bench_mode_accuracy --device cuda --procs 12
+    .venv/bin/python -m loadtests.bench_mode_accuracy --schedule cosine --systems sync,ssp
 
 Prints each system's accuracy per seed and mean; the last line is one JSON object of mean
 accuracies and of deltas in points against sync (sync minus the mode):
@@ -41,8 +43,9 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
-def job_spec(seed: int, epochs: int, system: str) -> dict[str, Any]:
-    """The job spec of ``system`` (the dataset is passed as arrays: the uri is a label)."""
+def job_spec(seed: int, epochs: int, system: str, schedule: str = "constant") -> dict[str, Any]:
+    """The job spec of ``system`` (the dataset is passed as arrays: the uri is a label), with
+    the learning-rate ``schedule`` (``constant`` or ``cosine`` to 0 over the job)."""
     options = SYSTEMS[system]
     distribution: dict[str, Any] = {"trainers": 2, "aggregator_shards": 2, "mode": "sync"}
     if options.get("mode") == "ssp":
@@ -55,7 +58,8 @@ def job_spec(seed: int, epochs: int, system: str) -> dict[str, Any]:
         "dataset": {"uri": "npz://distorted-digits", "eval_fraction": 0.2},
         "preprocess": {"normalize": {"mean": [0.5], "std": [0.5]}},
         "training": {"epochs": epochs, "global_batch_size": 64, "micro_batch_size": 32,
-                     "seed": seed, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+                     "seed": seed, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                     "lr_schedule": {"name": schedule}},
         "distribution": distribution,
     }  # fmt: skip
 
@@ -72,7 +76,7 @@ def run_one(task: tuple[str, int, argparse.Namespace]) -> tuple[str, int, float]
     x, y = distorted_digits(args.samples, size=args.size, seed=seed, eval_fraction=0.2)
     options = SYSTEMS[system]
     accuracy = reference_accuracy(
-        job_spec(seed, args.epochs, system), Arrays(x[:, None], y),
+        job_spec(seed, args.epochs, system, args.schedule), Arrays(x[:, None], y),
         plain=bool(options.get("plain")), speeds=options.get("speeds"), device=args.device,
     )  # fmt: skip
     return system, seed, accuracy
@@ -97,6 +101,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--procs", type=int, default=1, help="runs at once (processes)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--schedule", choices=("constant", "cosine"), default="constant",
+        help="learning rate over the job: constant, or cosine decay to 0",
+    )  # fmt: skip
     args = parser.parse_args()
     tasks = [(s, seed, args) for seed in range(args.seeds) for s in args.systems.split(",")]
     found: dict[str, list[float]] = {s: [] for s in args.systems.split(",")}

@@ -246,8 +246,13 @@ def test_prometheus_scrapes_every_service_and_answers_every_dashboard_panel(
     # The counters moved from zero (a fresh stack; this is its first job) during the run. Not
     # their rates: a short job on a fast machine can do all its preprocessing between two
     # scrapes, where a rate over the scrapes reads 0.
-    assert max(during_run("sum(conveyor_preprocessor_samples_total)")) > 0
-    assert max(during_run("sum(conveyor_trainer_compute_seconds_sum)")) > 0
+    for counter in ("conveyor_preprocessor_samples_total", "conveyor_trainer_compute_seconds_sum"):
+        moved = during_run(f"sum({counter})")
+        # Seen once (1 clean-clone run in 10): no trainer series in the window at all; the
+        # message keeps what Prometheus had, for the next time.
+        assert moved and max(moved) > 0, (
+            counter, moved, start_s, end_s, prometheus.query(counter), prometheus.log_tail()
+        )  # fmt: skip
 
     def has_data(expr: str) -> bool:
         if during_run(expr):
@@ -380,7 +385,7 @@ def test_bad_datasets_fail_their_job_and_the_stack_carries_on(
     # The failed job's topics are deleted; every service still runs and is healthy.
     wait_for(
         lambda: not any(corrupt in topic for topic in list_topics(stack.state.bootstrap)),
-        timeout_s=20,
+        timeout_s=30,  # the sharder's 10 s grace, then the deletion
         what=f"the topics of job {corrupt} to be deleted",
     )
     assert all(stack.alive().values()), stack.alive()

@@ -59,7 +59,8 @@ async def running_sharder(
     **settings: Any,
 ) -> AsyncIterator[SharderService]:
     service = SharderService(
-        settings=SharderSettings(tick_s=0.1, **settings),
+        # Topics go as soon as a job ends unless a test asks for the grace.
+        settings=SharderSettings(**{"tick_s": 0.1, "finished_topics_grace_s": 0.0, **settings}),
         topology=topology or TopologySettings(),
         kafka=kafka,
         storage=storage or StorageSettings(uri="file://./.conveyor/objects"),

@@ -347,6 +347,26 @@ def test_routing_gives_each_trainer_the_share_it_consumes() -> None:
     assert close is not None and close.allocation == {"fast": 3, "slow": 1}
 
 
+def test_routing_weights_only_a_consistent_view_of_the_batches_group() -> None:
+    c = coordinator(partitions=4)
+    # The first step: one trainer's heartbeat already lists its partitions, the other's was
+    # sent before its assignment. Weights from that view would route every batch to 1 and 3.
+    c.fold(beat("a", T0, batches_partitions=[1, 3]))
+    c.fold(beat("b", T0, batches_partitions=[]))
+    assert c.routing(T0) is None  # unweighted: the partitions in turn
+    c.fold(beat("b", T0 + 1, batches_partitions=[0, 2]))
+    assert c.routing(T0 + 1) == pytest.approx([0.25] * 4)
+    c.fold(beat("a", T0 + 2, 300.0, batches_partitions=[1, 3]))
+    c.fold(beat("b", T0 + 2, 100.0, batches_partitions=[0, 2]))
+    assert c.routing(T0 + 2) == pytest.approx([0.125, 0.375, 0.125, 0.375])
+    # A rebalance: "a" reports its new partitions before "b" reports losing 2; partition 2 is
+    # claimed twice, so the last consistent weights stand.
+    c.fold(beat("a", T0 + 3, 300.0, batches_partitions=[1, 2, 3]))
+    assert c.routing(T0 + 3) == pytest.approx([0.125, 0.375, 0.125, 0.375])
+    c.fold(beat("b", T0 + 3, 100.0, batches_partitions=[0]))
+    assert c.routing(T0 + 3) == pytest.approx([0.25, 0.25, 0.25, 0.25])
+
+
 def test_ssp_routing_follows_throughput() -> None:
     c = coordinator(partitions=3, mode="ssp")
     c.fold(beat("a", T0, 500.0, batches_partitions=[0]))

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from conveyor.training.routing import partition_weights, shard_partitions, spread
+from conveyor.training.routing import claims_complete, partition_weights, shard_partitions, spread
 
 
 def test_weights_split_each_member_rate_over_its_partitions() -> None:
@@ -40,6 +40,15 @@ def test_unclaimed_and_foreign_partitions() -> None:
     assert partition_weights([], 3) is None
     with pytest.raises(ValueError, match="num_partitions"):
         partition_weights([(1.0, [0])], 0)
+
+
+def test_claims_are_complete_when_every_partition_has_one_owner() -> None:
+    assert claims_complete([[0, 2], [1, 3]], 4)
+    assert claims_complete([[0, 1, 2], []], 3)  # more members than partitions: one holds none
+    assert not claims_complete([[1, 3], []], 4)  # a member has not reported its assignment
+    assert not claims_complete([[0, 1], [1, 2]], 3)  # a stale claim after a rebalance
+    assert not claims_complete([[0, 1, 4]], 3)  # a partition out of range
+    assert not claims_complete([], 2)
 
 
 def test_equal_weights_take_the_partitions_in_turn() -> None:

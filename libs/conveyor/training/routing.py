@@ -74,6 +74,19 @@ def partition_weights(
     return [weight / total for weight in weights]
 
 
+def claims_complete(claims: Iterable[Sequence[int]], num_partitions: int) -> bool:
+    """Whether the members' ``claims`` (the partitions each one owns) hold every partition
+    ``0 .. num_partitions-1`` exactly once: one consistent view of the group's assignment.
+
+    Each claim comes from a member's latest heartbeat, so around a join or a rebalance some
+    are stale: a member that has not yet reported its first assignment leaves its partitions
+    unclaimed (weights from that view would send every batch to the others' partitions), one
+    that has not yet reported a revocation claims a partition twice. A member may claim
+    nothing when the others hold every partition (more members than partitions)."""
+    claimed = [p for claim in claims for p in claim]
+    return len(claimed) == num_partitions and set(claimed) == set(range(num_partitions))
+
+
 @functools.lru_cache(maxsize=64)
 def spread(weights: tuple[float, ...]) -> tuple[int, ...]:
     """One cycle of the evenly spread sequence of partitions for ``weights`` (one per

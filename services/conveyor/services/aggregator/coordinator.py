@@ -50,7 +50,7 @@ from conveyor.services.aggregator.coordinator_state import CoordinatorConfig, Co
 from conveyor.services.aggregator.membership import allocate
 from conveyor.training.optim import aggregator_optimizer, lr_at, staleness_momentum
 from conveyor.training.plan import parse_batch_id
-from conveyor.training.routing import partition_weights
+from conveyor.training.routing import claims_complete, partition_weights
 
 __all__ = ["Coordinator", "CoordinatorConfig", "Decisions"]
 
@@ -71,6 +71,8 @@ class Coordinator(CoordinatorState):
         distribution = config.spec.distribution
         self.local = distribution.mode == "local"
         self.adaptive = distribution.allocation == "adaptive"
+        self._routing: list[float] | None = None
+        """The weights of the last consistent view of the batches group (see :meth:`routing`)."""
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -103,7 +105,15 @@ class Coordinator(CoordinatorState):
         """Weights of the batches topic's partitions (sum 1) that give each live member the
         share of the batches it consumes: sync, its allocation per step (at least 1, what a
         trainer takes); ssp, its throughput (each trainer steps at its own pace). None with
-        equal allocation, an unknown partition count, or no member reporting partitions."""
+        equal allocation, an unknown partition count, or no member reporting partitions.
+
+        Only a consistent view of the group's assignment is weighted (every partition claimed
+        by one live member, :func:`claims_complete`); otherwise the last consistent view's
+        weights stand (None before any). The sharder stamps the weights into the tasks it
+        releases an epoch ahead: weights taken while one trainer's heartbeat predated its
+        first assignment (its partitions unclaimed, at the digits demo's first step) routed
+        16 batches of the next epoch to the other trainer only, and the first trainer waited
+        for its share of them: 5-7 extra, partial steps, the demo's 120-122 steps for 115."""
         partitions = self.config.batches_partitions
         if not self.adaptive or partitions is None:
             return None
@@ -114,7 +124,9 @@ class Coordinator(CoordinatorState):
         else:
             rates = {m.worker_id: m.samples_per_second for m in live}
         owners = [(rates[m.worker_id], m.batches_partitions) for m in live]
-        return partition_weights(owners, partitions)
+        if claims_complete((claim for _, claim in owners), partitions):
+            self._routing = partition_weights(owners, partitions)
+        return self._routing
 
     @property
     def schedule_step(self) -> int:

@@ -27,10 +27,12 @@ class SharderSettings(_FileAwareSettings):
         description="Longest time between release passes when no job event arrives (seconds).",
     )
     finished_topics_grace_s: Annotated[float, Field(ge=0, le=3600)] = Field(
-        default=0.0,
+        default=10.0,
         description=(
-            "Seconds a finished job's topics are kept before they are deleted, for readers "
-            "still reading its last records (0: deleted as soon as the job ends)."
+            "Seconds a finished job's topics are kept before they are deleted, so that the "
+            "job's trainers and aggregators leave it (final commits, leaving their groups) "
+            "before its topics go (0: deleted as soon as the job ends; each of them then "
+            "retries its final commit against a missing topic for 5 s, logging errors)."
         ),
     )
     max_held_events: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
