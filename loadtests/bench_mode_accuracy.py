@@ -43,9 +43,12 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
-def job_spec(seed: int, epochs: int, system: str, schedule: str = "constant") -> dict[str, Any]:
+def job_spec(
+    seed: int, epochs: int, system: str, schedule: str = "constant", lr: float = 0.1
+) -> dict[str, Any]:
     """The job spec of ``system`` (the dataset is passed as arrays: the uri is a label), with
-    the learning-rate ``schedule`` (``constant`` or ``cosine`` to 0 over the job)."""
+    the learning-rate ``schedule`` (``constant`` or ``cosine`` to 0 over the job) from
+    ``lr``."""
     options = SYSTEMS[system]
     distribution: dict[str, Any] = {"trainers": 2, "aggregator_shards": 2, "mode": "sync"}
     if options.get("mode") == "ssp":
@@ -58,7 +61,7 @@ def job_spec(seed: int, epochs: int, system: str, schedule: str = "constant") ->
         "dataset": {"uri": "npz://distorted-digits", "eval_fraction": 0.2},
         "preprocess": {"normalize": {"mean": [0.5], "std": [0.5]}},
         "training": {"epochs": epochs, "global_batch_size": 64, "micro_batch_size": 32,
-                     "seed": seed, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                     "seed": seed, "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
                      "lr_schedule": {"name": schedule}},
         "distribution": distribution,
     }  # fmt: skip
@@ -76,7 +79,7 @@ def run_one(task: tuple[str, int, argparse.Namespace]) -> tuple[str, int, float]
     x, y = distorted_digits(args.samples, size=args.size, seed=seed, eval_fraction=0.2)
     options = SYSTEMS[system]
     accuracy = reference_accuracy(
-        job_spec(seed, args.epochs, system, args.schedule), Arrays(x[:, None], y),
+        job_spec(seed, args.epochs, system, args.schedule, args.lr), Arrays(x[:, None], y),
         plain=bool(options.get("plain")), speeds=options.get("speeds"), device=args.device,
     )  # fmt: skip
     return system, seed, accuracy
@@ -105,6 +108,7 @@ def main() -> None:
         "--schedule", choices=("constant", "cosine"), default="constant",
         help="learning rate over the job: constant, or cosine decay to 0",
     )  # fmt: skip
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (peak)")
     args = parser.parse_args()
     tasks = [(s, seed, args) for seed in range(args.seeds) for s in args.systems.split(",")]
     found: dict[str, list[float]] = {s: [] for s in args.systems.split(",")}
