@@ -5,6 +5,7 @@ A job that ended while no checkpointer ran gets its final checkpoint committed b
 one that starts (manifest, ``latest``, keep_last, one ``checkpoint`` event), from its slice
 files alone; a missing or torn slice file is a logged reason and no commit. A job whose end a
 checkpointer saw is committed once: neither that process nor the next one commits it again.
+It is committed also when the checkpointer's control reader lags the jobs topic at the end.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from aggregator_peer import Peer
 from serving import running
 from test_aggregator import SPEC, WORKERS, aggregator, checkpointer, committed_versions, submit
 
-from conveyor.platform.bus import TopicTail
-from conveyor.platform.config import KafkaSettings
+from conveyor.platform.bus import Tailed, TopicTail
+from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.platform.messages import CheckpointCommitted, Topics
 from conveyor.platform.storage import open_store
+from conveyor.services.checkpointer import service as checkpointer_service
+from conveyor.services.checkpointer.config import CheckpointerSettings
 from conveyor.services.checkpointer.service import CheckpointerService
 from conveyor.training.checkpoint import CheckpointStore, latest_key, slice_key
 
@@ -212,3 +215,48 @@ async def test_a_final_checkpoint_committed_at_the_jobs_end_is_not_committed_aga
         await settled(service, ctx.job_id)
     assert await checkpoint_events(kafka, ctx.job_id) == [1, 2, 3, FINAL]
     assert checkpoints.committed_versions() == [FINAL, 3]
+
+
+async def test_a_control_reader_behind_the_jobs_end_still_commits_the_final_checkpoint(
+    kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The jobs topic and the control topic are read apart: the checkpointer can see
+    ``completed`` before its control reader reached the final checkpoint's announcements
+    (the aggregator published them first). Letting the job go then must still commit it,
+    from the announcements; the pass over the completed jobs, which would commit it from the
+    store, is a long interval away here."""
+    service = CheckpointerService(
+        settings=CheckpointerSettings(poll_s=0.05, registry_interval_s=300),
+        kafka=kafka,
+        storage=StorageSettings(uri=f"file://{tmp_path}"),
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
+
+    def completed_here(job_id: str) -> bool:
+        job = service.view.get(job_id)
+        return job is not None and job.state == "completed"
+
+    class LaggingTail(TopicTail):
+        """A control reader that reads nothing until its process saw the job complete."""
+
+        async def get_many(self, timeout_s: float) -> list[Tailed]:
+            if not any(completed_here(job.job_id) for job in service.view.list()):
+                await asyncio.sleep(timeout_s)
+                return []
+            return await super().get_many(timeout_s)
+
+    monkeypatch.setattr(checkpointer_service, "TopicTail", LaggingTail)
+    async with AsyncExitStack() as stack:
+        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        job_id = peer.ctx.job_id
+        await stack.enter_async_context(running(service))
+        await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
+        await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
+        assert completed_here(job_id) and job_id not in service.hosted_jobs
+        assert (job_id, 0) not in service.finals_settled  # not by the pass: by the let-go
+    assert await checkpoint_events(kafka, job_id) == [1, 2, 3, FINAL]
+    assert checkpoints.committed_versions() == [FINAL, 3]
+    manifest, _, skipped = checkpoints.latest_good()
+    assert manifest is not None and not skipped
+    assert (manifest.version, manifest.trigger) == (FINAL, "job_end")
+    assert manifest.data_cursor.samples_trained == peer.ctx.plan.num_train

@@ -8,8 +8,10 @@ tails the job's control topic from the beginning into a :class:`~.book.Checkpoin
   ``CheckpointCommitted`` on the jobs topic; a version a slice failed to save (or whose commit
   fails) gets ``CheckpointFailed`` and the previous checkpoint stays the latest;
 - asks for a checkpoint (``CheckpointRequest``) every ``checkpoint.every_s`` seconds;
-- at the job's end (let go when it turns terminal), commits the final checkpoint from the
-  store when its announcements were not read before the job's topics went.
+- at the job's end (let go when it turns terminal), reads the control topic up to its end
+  first: the jobs topic can say ``completed`` before this reader reached the final
+  checkpoint's announcements (the aggregator publishes it only after them); what is not
+  announced by then (the topics went with the job) is committed from the store.
 
 The final checkpoint of a completed job is also committed from the store when none of that
 did it: the job completed while no checkpointer hosted it (it was down or restarting, or its
@@ -35,7 +37,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from conveyor.platform.bus import TopicTail
+from conveyor.platform.bus import BusError, TopicTail
 from conveyor.platform.config import KafkaSettings, StorageSettings, TelemetrySettings
 from conveyor.platform.messages import (
     CheckpointCommitted,
@@ -84,6 +86,9 @@ _COMMIT_SECONDS = histogram(
 _BYTES = counter("checkpointer", "committed_bytes_total", "Bytes of the committed checkpoints.")
 
 Prepared = tuple[JobSpec, CheckpointStore]
+
+_FINAL_READ_S = 10.0
+"""Longest read of a let-go job's control topic up to its end (see ``_finish``)."""
 
 
 class CheckpointerService(JobHostService[Prepared]):
@@ -210,27 +215,23 @@ class CheckpointerService(JobHostService[Prepared]):
         )
         # A restart (or a second replica) does not commit again what is committed already.
         book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
-        try:
-            control_topic = job.plan.control_topic  # the view's plan changes on a resume
-            async with TopicTail(self.kafka, control_topic, types=book.FOLDED) as control:
+        control_topic = job.plan.control_topic  # the view's plan changes on a resume
+        async with TopicTail(self.kafka, control_topic, types=book.FOLDED) as control:
+            try:
                 while True:
                     for record in await control.get_many(self.settings.poll_s):
                         book.fold(record.message)
-                    await self._act(job, spec, checkpoints, book, control_topic)
-        except asyncio.CancelledError:
-            # Let go: the job ended (or this process stops). Its final checkpoint's
-            # announcements may have gone with its topics: commit it from the store.
-            await self._finish(job, spec, checkpoints, book)
-            raise
+                    await self._commit_ready(job, spec, checkpoints, book)
+                    await self._ask_on_time(job, spec, book, control_topic)
+            except asyncio.CancelledError:
+                # Let go: the job ended (or this process stops).
+                await self._finish(job, spec, checkpoints, book, control)
+                raise
 
-    async def _act(
-        self,
-        job: JobView,
-        spec: JobSpec,
-        checkpoints: CheckpointStore,
-        book: CheckpointBook,
-        control_topic: str,
+    async def _commit_ready(
+        self, job: JobView, spec: JobSpec, checkpoints: CheckpointStore, book: CheckpointBook
     ) -> None:
+        """Commit every version whose slices are all saved; fail those a slice failed."""
         for version in book.failed():
             book.done.add(version)
             await self._failed(job.job_id, version, "; ".join(book.errors(version)))
@@ -239,6 +240,11 @@ class CheckpointerService(JobHostService[Prepared]):
             await self._commit(
                 job, spec, checkpoints, book.checkpointed(version), book.files(version)
             )
+
+    async def _ask_on_time(
+        self, job: JobView, spec: JobSpec, book: CheckpointBook, control_topic: str
+    ) -> None:
+        """Ask for a checkpoint when ``checkpoint.every_s`` is due."""
         if book.timer_due(spec.checkpoint.every_s, time.time()):
             book.timer_sent()
             await self.producer.publish(
@@ -300,10 +306,30 @@ class CheckpointerService(JobHostService[Prepared]):
         await self._publish(CheckpointFailed(job_id=job_id, version=version, reason=reason))
 
     async def _finish(
-        self, job: JobView, spec: JobSpec, checkpoints: CheckpointStore, book: CheckpointBook
+        self,
+        job: JobView,
+        spec: JobSpec,
+        checkpoints: CheckpointStore,
+        book: CheckpointBook,
+        control: TopicTail,
     ) -> None:
+        """The job was let go: commit its final checkpoint unless this process stops.
+
+        The aggregator publishes ``completed`` only once every slice announced the final
+        checkpoint on the control topic, but this reader may not have read those announcements
+        yet (the jobs topic and the control topic are read apart): read the control topic up
+        to its end of now first (at most ``_FINAL_READ_S``). What is still missing then (the
+        topic went with the job, or the read timed out) is committed from the store."""
+        if self.stopping:
+            return
+        try:
+            await _read_to_end(control, book, self.settings.poll_s)
+        except (BusError, TimeoutError) as exc:
+            logger.info("job %s: its control topic could not be read to its end (%s); its "
+                        "final checkpoint comes from the store", job.job_id, exc)  # fmt: skip
+        await self._commit_ready(job, spec, checkpoints, book)
         version = book.last_unfinished()
-        if version is None or self.stopping:
+        if version is None:
             return
         announced = functools.partial(book.file, version)
         try:
@@ -320,6 +346,16 @@ class CheckpointerService(JobHostService[Prepared]):
 
     async def _publish(self, event: JobEvent) -> None:
         await self.producer.publish(self.topics.jobs, event, key=event.job_id)
+
+
+async def _read_to_end(control: TopicTail, book: CheckpointBook, poll_s: float) -> None:
+    """Fold ``control`` into ``book`` up to the end offsets it has now, within
+    ``_FINAL_READ_S`` (TimeoutError past it; BusError when the topic is gone)."""
+    async with asyncio.timeout(_FINAL_READ_S):
+        ends = await control.end_offsets()
+        while any((control.position(p) or 0) < end for p, end in ends.items()):
+            for record in await control.get_many(poll_s):
+                book.fold(record.message)
 
 
 def _files_in_store(
