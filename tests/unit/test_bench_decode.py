@@ -36,4 +36,4 @@ def test_the_baseline_sees_the_preprocessors_pixels(tmp_path: Path) -> None:
     batch = baseline.__getitems__([(1, TRAIN, i) for i in ids])
     x, y = batch.tensors()
     assert list(x.shape) == [4, 3, 64, 64]
-    assert np.array_equal(x.numpy(), sent.x.numpy()) and y.tolist() == sent.y.tolist()
+    assert np.array_equal(x.numpy(), sent.x) and y.tolist() == sent.y.tolist()

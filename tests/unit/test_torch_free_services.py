@@ -1,24 +1,33 @@
 """The services that never compute on a tensor start without torch (its import costs ~2.5
 CPU-seconds a process, paid by every start of a stack): their entry modules must not import it.
 Such a process still decodes a tensor-carrying message when it meets one (the checkpointer
-reads the trainers' Contributions on a job's control topic); torch is imported then."""
+reads the trainers' Contributions on a job's control topic); torch is imported then. The
+preprocessors send tensors without ever loading it: their batches are numpy arrays, which the
+codec sends as tensors."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from conveyor.embedded.registry import SERVICES
-from conveyor.platform.codec import encode
-from conveyor.platform.messages import Batch
+from conveyor.platform.codec import decode, encode
+from conveyor.platform.messages import Batch, ShardTask
+from conveyor.services.preprocessor.work import augmenter_for, process_shard
+from conveyor.training.datasets import open_dataset
 
-TORCH_FREE_SERVICES = ("gateway", "sharder", "checkpointer", "autoscaler", "watchdog")
+TORCH_FREE_SERVICES = (
+    "gateway", "sharder", "checkpointer", "autoscaler", "watchdog", "preprocessor",
+)  # fmt: skip
 """Services whose entry modules load without torch. The sharder imports it when it plans its
 first job (it builds the model on the meta device), the checkpointer when it decodes its first
-tensor or reads a slice file back; the others never do."""
+tensor or reads a slice file back; the others never do (the preprocessors: see
+:func:`test_a_preprocessor_process_sends_batches_without_loading_torch`)."""
 
 # Imports each module in turn and names the first that brings torch in; then decodes the Batch
 # on stdin. -W error: the codec's tensor module, imported by that decode, raises no warning.
@@ -67,3 +76,35 @@ def test_torch_free_services_import_no_torch_and_decode_tensors_on_demand() -> N
         "torch.uint8",
         "[[[[0, 1], [2, 3]]], [[[4, 5], [6, 7]]]] [1, 0]",
     ]
+
+
+def test_a_preprocessor_process_sends_batches_without_loading_torch() -> None:
+    """What a preprocessor process runs (its entry point's imports, a shard task decoded, its
+    batches made and encoded) leaves torch unloaded; the bytes decode to torch tensors."""
+    script = textwrap.dedent("""
+        import sys
+        import conveyor.services.preprocessor.main
+        from conveyor.platform.codec import decode, encode
+        from conveyor.services.preprocessor.work import augmenter_for, process_shard
+        from conveyor.training.datasets import open_dataset
+        task = decode(bytes.fromhex(sys.stdin.readline()))
+        batches = process_shard(open_dataset(task.dataset_uri), task,
+                                augmenter_for(task.preprocess)).batches
+        print(encode(batches[0]).hex())
+        print("torch" in sys.modules)
+    """)  # fmt: skip
+    task = ShardTask(
+        job_id="j", shard_id="j:e0:train:00000", epoch=0, index=0, split="train",
+        dataset_uri="synthetic://?n=64&shape=3x16x16&classes=4&seed=1", sample_ids=list(range(8)),
+        micro_batch_size=4, seed=11, preprocess={"augment": [{"name": "hflip"}]},
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], input=encode(task).hex() + "\n",
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    sent, torch_loaded = done.stdout.split()
+    assert torch_loaded == "False", done.stderr
+    batch = decode(bytes.fromhex(sent))
+    assert isinstance(batch, Batch) and isinstance(batch.x, torch.Tensor)
+    here = process_shard(open_dataset(task.dataset_uri), task, augmenter_for(task.preprocess))
+    assert np.array_equal(batch.x.numpy(), here.batches[0].x)

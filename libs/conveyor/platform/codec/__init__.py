@@ -33,8 +33,9 @@ checked with a few C-level comparisons; the field-by-field checks that name the 
 (:mod:`~conveyor.platform.codec.checks`) run only when those fail.
 
 The package's modules: :mod:`~conveyor.platform.codec.framing` (encode, decode and the header),
-:mod:`~conveyor.platform.codec.tensors` (dtypes and tensor bytes: the one module that imports
-torch, loaded by the first schema with tensor fields that is encoded or decoded),
+:mod:`~conveyor.platform.codec.writer` (tensor bytes out, from torch tensors or numpy arrays;
+imports numpy only), :mod:`~conveyor.platform.codec.tensors` (dtypes and tensor bytes in: the
+one module that imports torch, loaded by the first decode of a schema with tensor fields),
 :mod:`~conveyor.platform.codec.limits` (layout constants and :class:`CodecLimits`),
 :mod:`~conveyor.platform.codec.errors`. Import from the package itself (``DTYPES`` from
 :mod:`~conveyor.platform.codec.tensors`, which a torch-free process leaves unloaded).

@@ -71,7 +71,10 @@ def _check_plain(where: str, value: object, depth: int) -> None:
 
 
 def _is_tensor(value: object) -> bool:
-    """Whether ``value`` is a torch tensor. Asked without importing torch: no tensor exists
-    in a process that has not imported it, and these checks run in processes that never do."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+    """Whether ``value`` is what a tensor field takes: a torch tensor or a numpy array. Asked
+    without importing either: no tensor (array) exists in a process that has not imported
+    torch (numpy), and these checks run in processes that never do."""
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    return (torch is not None and isinstance(value, torch.Tensor)) or (
+        numpy is not None and isinstance(value, numpy.ndarray)
+    )

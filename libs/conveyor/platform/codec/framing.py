@@ -208,8 +208,9 @@ def _build(header: object, header_end: int, view: memoryview, limits: CodecLimit
     for field, where, spec in plan.record_fields:
         header[field] = records_from_wire(where, spec, header[field])
 
-    if plan.payload_reader is not None:
-        tensors = plan.payload_reader(view, header_end, limits)
+    reader = plan.payload_reader or plan.reader()
+    if reader is not None:
+        tensors = reader(view, header_end, limits)
         for field, where in plan.tensor_fields:
             header[field] = tensors.read(where, header[field])
         for field, where in plan.dict_tensor_fields:

@@ -4,6 +4,7 @@ field tables once, so encode and decode check the common case with a few C-level
 
 from __future__ import annotations
 
+import sys
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,8 @@ from conveyor.platform.codec.errors import UnknownMessageType
 from conveyor.platform.messages import FieldKind, FieldSpec, Message, MessageSchema, schema_for
 
 if TYPE_CHECKING:
-    from conveyor.platform.codec.tensors import _PayloadReader, _PayloadWriter
+    from conveyor.platform.codec.tensors import _PayloadReader
+    from conveyor.platform.codec.writer import _PayloadWriter
 
 
 def _tuple_getter(getter: Any, names: tuple[str, ...]) -> Any:
@@ -85,19 +87,24 @@ class _Plan:
             for spec in schema.fields
             if spec.kind is FieldKind.VALUE and (spec.types is None or spec.types & {list, dict})
         )
-        # Only a schema with tensor fields loads the tensor module, and with it torch and
-        # numpy: a process that never sees a tensor never pays for their import.
+        # A schema with tensor fields loads the writer (numpy) now and the reader (torch) on
+        # its first decode (:meth:`reader`): a process that only sends tensors as numpy arrays
+        # (the preprocessors) never pays for torch's import, one that sends none not even for
+        # numpy's.
         self.payload_writer: type[_PayloadWriter] | None = None
         self.payload_reader: type[_PayloadReader] | None = None
         tensor_type: type | None = None
         if self.tensor_fields or self.dict_tensor_fields:
-            import torch
+            import numpy as np
 
-            from conveyor.platform.codec import tensors
+            from conveyor.platform.codec import writer
 
-            self.payload_writer = tensors._PayloadWriter
-            self.payload_reader = tensors._PayloadReader
-            tensor_type = torch.Tensor
+            self.payload_writer = writer._PayloadWriter
+            # What a tensor field holds in this process, for the one-comparison check: a
+            # torch tensor once torch is loaded, else a numpy array (the other still passes,
+            # through the field-by-field check).
+            torch = sys.modules.get("torch")
+            tensor_type = torch.Tensor if torch is not None else np.ndarray
         # The common type of each field's value, in order: when every value has it, one
         # comparison checks them all; otherwise _check_types checks each against its spec.
         self.encode_types = tuple(
@@ -106,6 +113,15 @@ class _Plan:
         self.decode_types = tuple(
             _main_type(spec, decoding=True, tensor_type=tensor_type) for spec in schema.fields
         )
+
+    def reader(self) -> type[_PayloadReader] | None:
+        """The payload reader of a schema with tensor fields (None without), loading torch on
+        the first call."""
+        if self.payload_reader is None and self.payload_writer is not None:
+            from conveyor.platform.codec import tensors
+
+            self.payload_reader = tensors._PayloadReader
+        return self.payload_reader
 
 
 def _main_type(spec: FieldSpec, *, decoding: bool, tensor_type: type | None) -> type | None:

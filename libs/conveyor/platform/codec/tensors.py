@@ -1,15 +1,15 @@
-"""Tensor bytes on the wire: which dtypes travel, and how tensors are laid out after the header
-(:class:`_PayloadWriter`) and turned back into zero-copy views of the received buffer
-(:class:`_PayloadReader`). The header around them is :mod:`conveyor.platform.codec.framing`'s.
+"""Tensor bytes on the wire, the receiving side: which dtypes travel, and how tensor
+descriptors are turned back into zero-copy views of the received buffer (:class:`_PayloadReader`).
+The sending side is :mod:`~conveyor.platform.codec.writer`; the header around them is
+:mod:`conveyor.platform.codec.framing`'s.
 
-The one module of the codec that imports torch (and numpy): the plan of a schema with tensor
-fields (:mod:`~conveyor.platform.codec.plans`) imports it, so a process that never encodes
-or decodes a tensor never loads torch."""
+The one module of the codec that imports torch: the plan of a schema with tensor fields
+(:mod:`~conveyor.platform.codec.plans`) imports it on the first decode of such a message, so a
+process that never receives a tensor never loads torch."""
 
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from operator import countOf
 from typing import Any
@@ -17,23 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from conveyor.platform.codec.errors import MalformedMessage, MessageTooLarge
-from conveyor.platform.codec.limits import ALIGN_BYTES, PADS, CodecLimits
+from conveyor.platform.codec.errors import MalformedMessage
+from conveyor.platform.codec.limits import ALIGN_BYTES, CodecLimits
+from conveyor.platform.codec.writer import WIRE_DTYPES
 
-DTYPES: dict[str, torch.dtype] = {
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bool": torch.bool,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
 """Wire name -> dtype of every tensor dtype the codec carries."""
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Wire name -> (torch dtype, numpy dtype or None where numpy has none, itemsize). Decode builds
 # tensors through numpy: np.ndarray + torch.from_numpy costs half of frombuffer + view.
 _DTYPE_INFO: dict[str, tuple[torch.dtype, np.dtype[Any] | None, int]] = {
@@ -44,9 +33,6 @@ _DTYPE_INFO: dict[str, tuple[torch.dtype, np.dtype[Any] | None, int]] = {
     )
     for name, dtype in DTYPES.items()
 }
-
-if sys.byteorder != "little":  # tensor bytes travel in host order; every supported host is LE
-    raise ImportError("conveyor.platform.codec needs a little-endian host")
 
 
 def _use_up_read_only_warnings() -> None:
@@ -63,89 +49,6 @@ def _use_up_read_only_warnings() -> None:
 
 
 _use_up_read_only_warnings()
-
-
-class _PayloadWriter:
-    """Lays tensors out after the header; holds views of their bytes until the final join."""
-
-    __slots__ = ("chunks", "count", "limits", "size")
-
-    def __init__(self, limits: CodecLimits) -> None:
-        self.limits = limits
-        self.chunks: list[Any] = []  # tensor bytes and the pads between them, in order
-        self.size = 0  # payload bytes so far
-        self.count = 0
-
-    def add(self, where: str, tensor: object) -> dict[str, Any]:
-        """Append ``tensor``; return its header descriptor."""
-        # type() first: isinstance goes through torch's metaclass, 3x slower for a Tensor.
-        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.Tensor):
-            raise MalformedMessage(f"{where}: expected a tensor, got {type(tensor).__name__}")
-        limits = self.limits
-        dtype = tensor.dtype
-        dtype_name = _DTYPE_NAMES.get(dtype)
-        if dtype_name is None:
-            raise MalformedMessage(f"{where}: unsupported dtype {dtype}")
-        # numpy attributes cost a fraction of torch's, so the sizes come from the array when
-        # the tensor's own memory will do; otherwise from the tensor, before any copy.
-        array = _array_view(tensor, dtype)
-        if array is not None:
-            shape, nbytes = list(array.shape), array.nbytes
-        else:
-            if tensor.layout is not torch.strided or tensor.is_meta or tensor.is_nested:
-                raise MalformedMessage(f"{where}: only dense tensors with data can be sent")
-            shape, nbytes = list(tensor.shape), tensor.nbytes  # numel * itemsize
-        if len(shape) > limits.max_tensor_dims:
-            raise MalformedMessage(
-                f"{where}: {len(shape)} dims, max_tensor_dims={limits.max_tensor_dims}"
-            )
-        self.count += 1
-        if self.count > limits.max_tensors:
-            raise MalformedMessage(f"{where}: more than max_tensors={limits.max_tensors}")
-        offset = self.size
-        if nbytes:
-            pad = -offset % ALIGN_BYTES
-            offset += pad
-            # Checked before any copy, so an oversize tensor costs nothing.
-            if offset + nbytes > limits.max_message_bytes:
-                raise MessageTooLarge(
-                    f"{where}: tensor ends at {offset + nbytes} bytes, "
-                    f"max_message_bytes={limits.max_message_bytes}"
-                )
-            if pad:
-                self.chunks.append(PADS[pad])
-            self.chunks.append(array if array is not None else _host_copy(tensor, dtype))
-            self.size = offset + nbytes
-        return {"dtype": dtype_name, "shape": shape, "offset": offset, "nbytes": nbytes}
-
-
-def _array_view(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray[Any, Any] | None:
-    """The tensor's own bytes as a C-contiguous array, or None if they need a copy or a
-    check first (another device or layout, bfloat16, autograd, non-contiguous)."""
-    if dtype is torch.bfloat16 or tensor.requires_grad or not tensor.is_cpu:
-        return None
-    try:
-        array = tensor.numpy()
-    except (TypeError, RuntimeError):  # sparse, nested, a conjugate or negative view, ...
-        return None
-    return array if array.flags.c_contiguous else None
-
-
-def _host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray[Any, Any]:
-    """The bytes of a dense tensor that :func:`_array_view` refused, in host memory and
-    C-contiguous; copies only what must be copied."""
-    # Each call below costs microseconds even when it is a no-op, hence the guards.
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if not tensor.is_cpu:
-        tensor = tensor.cpu()
-    if tensor.is_neg() or tensor.is_conj():
-        tensor = tensor.resolve_neg().resolve_conj()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    if dtype is torch.bfloat16:  # numpy has no bfloat16; same bytes as int16
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
 
 
 class _PayloadReader:

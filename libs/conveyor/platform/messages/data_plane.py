@@ -104,7 +104,9 @@ class Batch(Message):
     sample_ids: list[int]
     """Ids of the B samples, in row order."""
     x: Tensor
-    """uint8 [B, C, H, W] images, augmented, not normalised; or int32 [B, T] token ids."""
+    """uint8 [B, C, H, W] images, augmented, not normalised; or int32 [B, T] token ids. The
+    preprocessors build batches of numpy arrays (the codec sends them as tensors, and they
+    never load torch); a decoded batch holds torch tensors."""
     y: Tensor
     """int64 [B] class labels; or int64 [B, T] targets, ``x`` shifted by one token."""
     timestamps: dict[str, float]
@@ -112,24 +114,23 @@ class Batch(Message):
     ``read_end``, ``augment_end``, ``sent`` (preprocessor), then the trainer's stages."""
 
     def __post_init__(self) -> None:
-        import torch  # loaded already: a Batch holds tensors
-
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         # Runs on every decoded batch: each tensor attribute is read once (they are not free).
         x, y = self.x, self.y
         x_shape, y_shape = x.shape, y.shape
+        x_dtype, y_dtype = _dtype_name(x.dtype), _dtype_name(y.dtype)
         rows = x_shape[0] if len(x_shape) else 0
-        if x.dtype is torch.uint8 and len(x_shape) == 4:
+        if x_dtype == "uint8" and len(x_shape) == 4:
             expected_y: tuple[int, ...] = (rows,)
-        elif x.dtype is torch.int32 and len(x_shape) == 2:
+        elif x_dtype == "int32" and len(x_shape) == 2:
             expected_y = tuple(x_shape)
         else:
             raise ValueError(
-                f"x must be uint8 [B,C,H,W] or int32 [B,T], got {x.dtype} {list(x_shape)}"
+                f"x must be uint8 [B,C,H,W] or int32 [B,T], got {x_dtype} {list(x_shape)}"
             )
-        if y.dtype is not torch.int64 or tuple(y_shape) != expected_y:
-            raise ValueError(f"y must be int64 {list(expected_y)}, got {y.dtype} {list(y_shape)}")
+        if y_dtype != "int64" or tuple(y_shape) != expected_y:
+            raise ValueError(f"y must be int64 {list(expected_y)}, got {y_dtype} {list(y_shape)}")
         if len(self.sample_ids) != rows:
             raise ValueError(f"{len(self.sample_ids)} sample_ids for {rows} rows")
 
@@ -192,3 +193,16 @@ class Heartbeat(Message):
     """Its state now. A typed row since version 2 (was a dict ``info``)."""
     leaving: bool = False
     """It is leaving the job: the coordinator drops it from the membership at once."""
+
+
+_DTYPE_NAMES: dict[object, str] = {}
+"""torch or numpy dtype -> its name, as met (a few at most)."""
+
+
+def _dtype_name(dtype: object) -> str:
+    """``uint8`` for ``torch.uint8`` and for numpy's ``uint8`` alike (without importing torch)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype)
+        name = _DTYPE_NAMES[dtype] = name[6:] if name.startswith("torch.") else name
+    return name

@@ -23,10 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 
 from conveyor.platform.messages import Batch, ShardTask, batch_id_for
@@ -44,6 +43,9 @@ from conveyor.training.datasets import (
     TokenDataset,
 )
 from conveyor.training.datasets.base import DEFAULT_CHANNELS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +152,8 @@ def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -
         ids = [samples.x[position].sample_id for position in kept]
         x = outcome.x  # [N',C,H,W]
         y = np.array(samples.y[kept], dtype=np.int64)  # [N']
-    # Batches become views of one array; torch wants it contiguous and writable.
-    if not (x.flags.c_contiguous and x.flags.writeable):
+    # Batches become views of one array: contiguous, so each batch's rows are one run of bytes.
+    if not x.flags.c_contiguous:
         x = np.array(x, order="C")  # [N,C,H,W]
     augment_end = time.time()
     timestamps = {"read_start": samples.read_start, "read_end": samples.read_end}
@@ -159,7 +161,6 @@ def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -
         timestamps["released"] = task.released_at
     timestamps["augment_end"] = augment_end
     bad.sort(key=lambda b: b.sample_id)
-    x_all, y_all = torch.from_numpy(x), torch.from_numpy(y)
     # Row r of x holds sample ids[r]; batch k takes the rows of its positions' samples.
     size = task.micro_batch_size
     position_of = {sample_id: p for p, sample_id in enumerate(task.sample_ids)}
@@ -181,8 +182,9 @@ def make_batches(task: ShardTask, samples: ShardSamples, augmenter: Augmenter) -
                 epoch=task.epoch,
                 split=task.split,
                 sample_ids=ids[start:end],
-                x=x_all[start:end],  # [B,C,H,W] uint8 or [B,T] int32
-                y=y_all[start:end],  # [B] or [B,T] int64
+                # numpy, sent as tensors (see Batch): the preprocessors never load torch.
+                x=cast("Tensor", x[start:end]),  # [B,C,H,W] uint8 or [B,T] int32
+                y=cast("Tensor", y[start:end]),  # [B] or [B,T] int64
                 timestamps=dict(timestamps),
             )
         )
