@@ -2,16 +2,19 @@
 into the object stores' uploads (the storage behaviour suite and the S3 specifics use it). The
 stack-wide fixtures, Kafka and the S3 endpoint, are in tests/conftest.py. Also: a count of the
 Fetch requests sent (the bus tests of readers that pause or rest), and an in-memory span
-exporter for the services' trace tests, and the object-store ``backend`` (file and S3) of the
-suites that run against both."""
+exporter for the services' trace tests, the object-store ``backend`` (file and S3) of the
+suites that run against both, a ready ``gateway`` (test_gateway_*.py), and the bus tests'
+``settings`` for fast group changes (test_bus_groups.py, test_bus_records.py)."""
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from gateway_harness import Gateway, running_gateway
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -19,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.util._once import Once
 from storage_backends import Backend, file_backend, s3_backend
 
+from conveyor.platform.config import KafkaSettings
 from conveyor.platform.storage.base import CHUNK_BYTES, HashingReader
 
 
@@ -80,3 +84,19 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         return file_backend(tmp_path)
     s3_server: dict[str, str] = request.getfixturevalue("s3_server")
     return s3_backend(s3_server, request.getfixturevalue("s3_bucket"))
+
+
+@pytest.fixture
+async def gateway(kafka_settings: KafkaSettings) -> AsyncIterator[Gateway]:
+    async with running_gateway(kafka_settings) as gw:
+        yield gw
+
+
+@pytest.fixture
+def settings(kafka_settings: KafkaSettings) -> KafkaSettings:
+    """Settings for fast group changes: Tansu completes a join after half the session timeout;
+    a real Kafka refuses sessions under 6 s (group.min.session.timeout.ms)."""
+    session_s = 6.0 if os.environ.get("CONVEYOR_KAFKA_BOOTSTRAP") else 2.0
+    return kafka_settings.model_copy(
+        update={"session_timeout_s": session_s, "heartbeat_interval_s": 0.3}
+    )

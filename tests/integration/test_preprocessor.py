@@ -371,7 +371,7 @@ async def test_a_member_joining_mid_task_lets_the_tasks_in_hand_finish(
     # working: with the grace (CONVEYOR_PREPROCESSOR_REVOKE_GRACE_S) they finish and commit the
     # tasks in hand first, so no task is done twice. Without it each task in hand is done
     # again by its partition's next owner (shown on the bus itself in
-    # test_bus.py::test_revoke_grace_lets_records_in_flight_finish_so_none_is_done_twice).
+    # test_bus_groups.py::test_revoke_grace_lets_records_in_flight_finish_so_none_is_done_twice).
     kafka = kafka_settings.model_copy(
         update={"session_timeout_s": 3.0, "heartbeat_interval_s": 0.5}
     )

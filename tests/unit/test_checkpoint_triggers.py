@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_coordinator import JOB, SAMPLES, T0, batch, beat, contrib, echo
+from coordinator_cases import JOB, SAMPLES, T0, batch, beat, contrib, echo
 
 from conveyor.platform.messages import CheckpointRequest, SliceSaved, StepClose
 from conveyor.services.aggregator.coordinator import Coordinator, CoordinatorConfig

@@ -5,7 +5,7 @@ empty contribution that comes after its step closed is dropped unanswered."""
 
 from __future__ import annotations
 
-from test_coordinator import T0, batch, beat, contrib, coordinator, echo
+from coordinator_cases import T0, batch, beat, contrib, coordinator, echo
 
 from conveyor.services.aggregator.coordinator import Decisions
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from coordinator_cases import JOB, SAMPLES, T0, batch, beat, contrib, echo
 from test_checkpoint_triggers import job_spec
-from test_coordinator import JOB, SAMPLES, T0, batch, beat, contrib, echo
 
 from conveyor.platform.config import StorageSettings
 from conveyor.platform.messages import (

@@ -1,160 +1,36 @@
-"""The gateway against the real broker and a real HTTP server (uvicorn on a free port)."""
+"""The gateway against the real broker and a real HTTP server (uvicorn on a free port): jobs
+submitted, listed, queued, cancelled, their lifecycle folded into the view and streamed, the view
+rebuilt on restart, and checkpoints listed, requested and the model served."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from job_events import job_event
+from gateway_harness import (
+    SPEC,
+    Gateway,
+    jobs_topic_events,
+    publish,
+    running_gateway,
+    serving_gateway,
+    wait_for_queue,
+    wait_for_state,
+    wait_ready,
+)
 
 from conveyor.platform.bus import Producer, TopicAdmin, TopicTail, create_topology, ensure_topics
-from conveyor.platform.codec import decode
-from conveyor.platform.config import (
-    KafkaSettings,
-    StorageSettings,
-    TelemetrySettings,
-    TopologySettings,
-)
-from conveyor.platform.messages import CheckpointRequest, JobEvent, Topics, TrainerPresence
-from conveyor.platform.service import ServiceError
+from conveyor.platform.config import KafkaSettings, StorageSettings, TopologySettings
+from conveyor.platform.messages import CheckpointRequest, Topics, TrainerPresence
 from conveyor.platform.storage import open_store
-from conveyor.services.gateway.config import GatewaySettings
-from conveyor.services.gateway.service import GatewayService, job_id_for
+from conveyor.services.gateway.service import job_id_for
 from conveyor.training.checkpoint import CheckpointStore, DataCursor, Manifest, SliceState
-from conveyor.training.jobspec import JobSpec
-
-SPEC = JobSpec.from_yaml(
-    (Path(__file__).resolve().parents[2] / "examples" / "digits.yaml").read_text()
-).to_dict()
-TOKEN = "s3cret-token"
-
-
-class Gateway:
-    """A running GatewayService and an HTTP client pointed at it."""
-
-    def __init__(self, service: GatewayService, client: httpx.AsyncClient) -> None:
-        self.service = service
-        self.client = client
-
-
-@asynccontextmanager
-async def serving_gateway(
-    kafka: KafkaSettings, storage: StorageSettings | None = None, **settings: Any
-) -> AsyncIterator[Gateway]:
-    """A GatewayService that serves HTTP (ready or not) and a client pointed at it; ``storage``
-    gives the roots jobs may use (default: the object store only)."""
-    settings.setdefault("api_token", None)
-    service = GatewayService(
-        settings=GatewaySettings(port=0, **settings),
-        kafka=kafka,
-        storage=storage or StorageSettings(uri="file://./.conveyor/objects"),
-        telemetry=TelemetrySettings(otlp_endpoint=None),
-    )
-    serving = asyncio.create_task(service.serve())
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            port = service.http_port
-            break
-        except ServiceError:
-            assert time.monotonic() < deadline and not serving.done(), "gateway did not start"
-            await asyncio.sleep(0.02)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
-        try:
-            yield Gateway(service, client)
-        finally:
-            service.request_stop()
-            assert await asyncio.wait_for(serving, 30) == 0
-
-
-async def wait_ready(gw: Gateway, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (await gw.client.get("/readyz")).status_code != 200:
-        assert time.monotonic() < deadline, "gateway never ready"
-        await asyncio.sleep(0.05)
-
-
-@asynccontextmanager
-async def running_gateway(
-    kafka: KafkaSettings, storage: StorageSettings | None = None, **settings: Any
-) -> AsyncIterator[Gateway]:
-    """A ready gateway over the topics the sharder would have created."""
-    await create_topology(kafka, TopologySettings())
-    async with serving_gateway(kafka, storage, **settings) as gw:
-        await wait_ready(gw)
-        yield gw
-
-
-@pytest.fixture
-async def gateway(kafka_settings: KafkaSettings) -> AsyncIterator[Gateway]:
-    async with running_gateway(kafka_settings) as gw:
-        yield gw
-
-
-async def jobs_topic_events(kafka: KafkaSettings) -> list[JobEvent]:
-    """Every JobEvent on the jobs topic, read to its current end (group-less)."""
-    topic = Topics(kafka.topic_prefix).jobs
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        await consumer.topics()
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        events: list[JobEvent] = []
-        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    message = decode(record.value)
-                    assert isinstance(message, JobEvent)
-                    assert record.key == message.job_id.encode()
-                    events.append(message)
-        return events
-    finally:
-        await consumer.stop()
-
-
-async def publish(kafka: KafkaSettings, job_id: str, *events: tuple[str, dict[str, Any]]) -> None:
-    """Publish lifecycle events as the sharder and trainers would."""
-    async with Producer(kafka) as producer:
-        for name, data in events:
-            event = job_event(job_id, name, **data)
-            await producer.publish(Topics(kafka.topic_prefix).jobs, event, key=job_id)
-
-
-async def wait_for_state(gw: Gateway, job_id: str, state: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while True:
-        body: dict[str, Any] = (await gw.client.get(f"/v1/jobs/{job_id}")).json()
-        if body["state"] == state:
-            return body
-        assert time.monotonic() < deadline, f"job stuck in {body['state']}, wanted {state}"
-        await asyncio.sleep(0.05)
-
-
-async def wait_for_queue(
-    gw: Gateway, predicate: Callable[[dict[str, Any]], bool]
-) -> dict[str, Any]:
-    """``/v1/queue`` once ``predicate`` holds of it. The view folds the jobs topic's partitions
-    as their records come back, in no order between partitions: events of different jobs (or
-    trainers) published one after another can show one at a time."""
-    deadline = time.monotonic() + 10
-    while True:
-        queue: dict[str, Any] = (await gw.client.get("/v1/queue")).json()
-        if predicate(queue):
-            return queue
-        assert time.monotonic() < deadline, f"the queue never got there: {queue}"
-        await asyncio.sleep(0.05)
 
 
 async def test_not_ready_until_the_jobs_topic_exists(kafka_settings: KafkaSettings) -> None:
@@ -373,170 +249,6 @@ async def test_idle_stream_sends_keepalive_comments(kafka_settings: KafkaSetting
     assert seen[0] == "event: snapshot" and ": keepalive" in seen[3:]
 
 
-async def test_bearer_auth(kafka_settings: KafkaSettings) -> None:
-    async with running_gateway(kafka_settings, api_token=TOKEN) as gw:
-        missing = await gw.client.get("/v1/jobs")
-        assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith(
-            "Bearer"
-        )
-        wrong = await gw.client.get("/v1/jobs", headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 403
-        good = {"Authorization": f"Bearer {TOKEN}"}
-        assert (await gw.client.get("/v1/jobs", headers=good)).status_code == 200
-        assert (await gw.client.post("/v1/jobs", json=SPEC)).status_code == 401
-        assert (await gw.client.post("/v1/jobs", json=SPEC, headers=good)).status_code == 201
-        for open_path in ("/healthz", "/readyz", "/metrics"):
-            assert (await gw.client.get(open_path)).status_code == 200
-        # The job pages show the same data: the same token.
-        assert (await gw.client.get("/jobs")).status_code == 401
-        assert (await gw.client.get("/jobs", headers=good)).status_code == 200
-
-
-async def test_body_limit(gateway: Gateway) -> None:
-    big = b'{"name": "' + b"x" * (2 * 1024 * 1024) + b'"}'
-    response = await gateway.client.post(
-        "/v1/jobs", content=big, headers={"Content-Type": "application/json"}
-    )
-    assert response.status_code == 413 and "exceeds" in response.json()["detail"]
-
-    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: enforced while reading
-        for _ in range(40):
-            yield b" " * 64 * 1024
-
-    streamed = await gateway.client.post(
-        "/v1/jobs", content=chunked(), headers={"Content-Type": "application/json"}
-    )
-    assert streamed.status_code == 413
-    # The server is fine afterwards.
-    assert (await gateway.client.post("/v1/jobs", json=SPEC)).status_code == 201
-
-
-async def test_validation_errors_are_422_with_field_locations(gateway: Gateway) -> None:
-    bad = {**SPEC, "training": {**SPEC["training"], "micro_batch_size": 30}}
-    response = await gateway.client.post("/v1/jobs", json=bad)
-    assert response.status_code == 422
-    [error] = response.json()["detail"]
-    assert error["loc"] == ["body", "training", "micro_batch_size"]
-    assert "multiple of micro_batch_size (30)" in error["msg"]
-    broken_json = await gateway.client.post(
-        "/v1/jobs", content=b'{"name": ', headers={"Content-Type": "application/json"}
-    )
-    assert broken_json.status_code == 422
-    yaml_body = await gateway.client.post(
-        "/v1/jobs", content=b"name: x\nmodel: {name: y}\n",
-        headers={"Content-Type": "application/yaml"},
-    )  # fmt: skip
-    assert yaml_body.status_code == 422
-    not_a_mapping = await gateway.client.post("/v1/jobs", json=[1, 2])
-    assert not_a_mapping.status_code == 422
-    empty_key = await gateway.client.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": ""})
-    assert empty_key.status_code == 422
-
-
-ROOTS_REFUSED = [
-    # (field, location, what must stay absent or empty afterwards)
-    ("checkpoint", "file://{tmp}/elsewhere/ckpt", "elsewhere"),  # an absolute path elsewhere
-    ("checkpoint", "file://{tmp}/out/../escaped", "escaped"),  # a '..' escape
-    ("checkpoint", "file://{tmp}/out/sub/../../escaped", "escaped"),
-    ("checkpoint", "file://{tmp}/out/leak/ckpt", "secret"),  # a symbolic link escape
-    ("checkpoint", "file://{tmp}/out2", "out2"),  # a sibling directory sharing the prefix
-    ("checkpoint", "s3://other-bucket/ckpt", None),  # another bucket
-    ("checkpoint", "s3://roots-bkt/out2/ckpt", None),  # a sibling prefix
-    ("checkpoint", "file://{tmp}/data/ckpt", "data/ckpt"),  # a dataset root is read-only
-    ("dataset", "npz://{tmp}/elsewhere", "elsewhere"),
-    ("dataset", "npz://{tmp}/data/../escaped", "escaped"),
-    ("dataset", "mnist-idx://{tmp}/data/leak", "secret"),
-    ("dataset", "npz://s3://other-bucket/set", None),
-    ("dataset", "npz://s3://roots-bkt/data2", None),
-]
-ROOTS_ACCEPTED = [
-    ("checkpoint", "file://{tmp}/out/ckpt"),
-    ("checkpoint", "file://{tmp}/out/sub/../ckpt2"),
-    ("checkpoint", "s3://roots-bkt/out/job"),
-    ("checkpoint", "file://{tmp}/objects/ckpt"),  # the object store is always allowed
-    ("dataset", "npz://{tmp}/data/set"),
-    ("dataset", "npz://s3://roots-bkt/data/set"),
-    ("dataset", "npz://{tmp}/objects/set"),
-]
-
-
-def spec_naming(field: str, location: str) -> dict[str, Any]:
-    if field == "checkpoint":
-        return {**SPEC, "checkpoint": {**SPEC["checkpoint"], "uri": location}}
-    return {**SPEC, "dataset": {**SPEC["dataset"], "uri": location}}
-
-
-@pytest.fixture
-def roots_tree(tmp_path: Path) -> Path:
-    """``objects/``, ``out/sub/``, ``data/``, ``secret/``; ``out/leak``, ``data/leak`` -> secret."""
-    tmp = tmp_path.resolve()
-    for directory in ("objects", "out/sub", "data", "secret"):
-        (tmp / directory).mkdir(parents=True)
-    (tmp / "out" / "leak").symlink_to(tmp / "secret")
-    (tmp / "data" / "leak").symlink_to(tmp / "secret")
-    return tmp
-
-
-async def test_locations_outside_the_roots_are_422_and_nothing_is_published(
-    kafka_settings: KafkaSettings, roots_tree: Path
-) -> None:
-    tmp = roots_tree
-    storage = StorageSettings(
-        uri=f"file://{tmp}/objects",
-        output_roots=(f"{tmp}/out", "s3://roots-bkt/out"),
-        dataset_roots=(f"file://{tmp}/data", "s3://roots-bkt/data"),
-    )
-    allowed = {
-        "checkpoint": f"(file://{tmp}/objects, file://{tmp}/out, s3://roots-bkt/out)",
-        "dataset": f"(file://{tmp}/objects, file://{tmp}/data, s3://roots-bkt/data)",
-    }
-    async with running_gateway(kafka_settings, storage) as gw:
-        for field, template, target in ROOTS_REFUSED:
-            location = template.format(tmp=tmp)
-            response = await gw.client.post("/v1/jobs", json=spec_naming(field, location))
-            assert response.status_code == 422, (location, response.text)
-            [error] = response.json()["detail"]
-            assert error["loc"] == ["body", field, "uri"], location
-            assert error["type"] == "location_not_allowed"
-            kind = "output" if field == "checkpoint" else "dataset"
-            assert f"is outside the allowed {kind} roots {allowed[field]}" in error["msg"]
-            if target is not None:
-                path = tmp / target
-                assert not path.exists() or not any(path.iterdir()), (location, target)
-        both = {
-            **spec_naming("checkpoint", f"file://{tmp}/secret"),
-            "dataset": {"uri": f"npz://{tmp}/secret"},
-        }
-        response = await gw.client.post("/v1/jobs", json=both, headers={"Idempotency-Key": "r"})
-        assert response.status_code == 422
-        assert [e["loc"] for e in response.json()["detail"]] == [
-            ["body", "checkpoint", "uri"], ["body", "dataset", "uri"],
-        ]  # fmt: skip
-        assert await jobs_topic_events(kafka_settings) == []  # nothing reached the services
-        assert (await gw.client.get("/v1/jobs")).json()["count"] == 0
-
-        for field, template in ROOTS_ACCEPTED:
-            location = template.format(tmp=tmp)
-            response = await gw.client.post("/v1/jobs", json=spec_naming(field, location))
-            assert response.status_code == 201, (location, response.text)
-            assert response.json()["spec"][field]["uri"] == location  # as the client wrote it
-    submitted = await jobs_topic_events(kafka_settings)
-    assert [e.EVENT for e in submitted] == ["submitted"] * len(ROOTS_ACCEPTED)
-    assert sorted(p.name for p in tmp.iterdir()) == ["data", "objects", "out", "secret"]
-    assert not any((tmp / "secret").iterdir())
-
-
-async def test_metrics(gateway: Gateway) -> None:
-    await gateway.client.post("/v1/jobs", json=SPEC)
-    await gateway.client.get("/v1/jobs/nope")
-    text = (await gateway.client.get("/metrics")).text
-    assert 'conveyor_gateway_requests_total{code="201",route="/v1/jobs"}' in text
-    assert 'conveyor_gateway_requests_total{code="404",route="/v1/jobs/{job_id}"}' in text
-    assert 'conveyor_gateway_request_seconds_count{route="/v1/jobs"}' in text
-    assert 'conveyor_gateway_build_info{python="' in text
-    assert 'conveyor_gateway_jobs{state="pending"}' in text
-
-
 async def test_restart_rebuilds_the_same_view(kafka_settings: KafkaSettings) -> None:
     async with running_gateway(kafka_settings) as first:
         done = (await first.client.post("/v1/jobs", json=SPEC)).json()["id"]
@@ -572,24 +284,6 @@ async def test_stop_ends_open_progress_streams(kafka_settings: KafkaSettings) ->
             rest = [line async for line in lines]  # the server ends the stream on drain
             assert time.monotonic() - started < 5
     assert rest[0].startswith("id: ") and rest[-1] == ""
-
-
-async def test_openapi_documents_the_api(gateway: Gateway) -> None:
-    schema = (await gateway.client.get("/openapi.json")).json()
-    job = "/v1/jobs/{job_id}"
-    expected = {"/v1/jobs", job, f"{job}/cancel", f"{job}/events", f"{job}/stages", "/v1/queue"}
-    assert expected <= set(schema["paths"])
-    components = schema["components"]["schemas"]
-    assert "JobSpec" in components
-    # Every field of the spec's sections says what it does (the field docstrings), so the
-    # /docs page is a reference of the spec.
-    sections = ("TrainingSpec", "DistributionSpec", "CheckpointSpec", "ResourcesSpec", "FlowSpec")
-    for section in sections:
-        fields = components[section]["properties"]
-        assert fields and all(field.get("description") for field in fields.values()), section
-    assert (
-        "GPU memory" in components["ResourcesSpec"]["properties"]["memory_fraction"]["description"]
-    )
 
 
 async def test_checkpoints_are_listed_requested_and_the_model_served(
