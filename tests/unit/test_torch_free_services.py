@@ -24,8 +24,8 @@ from conveyor.training.datasets import open_dataset
 TORCH_FREE_SERVICES = (
     "gateway", "sharder", "checkpointer", "autoscaler", "watchdog", "preprocessor",
 )  # fmt: skip
-"""Services whose entry modules load without torch. The sharder imports it when it plans its
-first job (it builds the model on the meta device), the checkpointer when it decodes its first
+"""Services whose entry modules load without torch. The sharder imports it in a thread once it
+runs (it builds each job's model on the meta device), the checkpointer when it decodes its first
 tensor or reads a slice file back; the others never do (the preprocessors: see
 :func:`test_a_preprocessor_process_sends_batches_without_loading_torch`)."""
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import time
 
@@ -89,6 +90,17 @@ logger = logging.getLogger(__name__)
 _RETRY_BACKOFF_S = 1.0
 _MAX_DATASET_ATTEMPTS = 3
 """Attempts to open a dataset whose storage is unavailable before the job fails."""
+
+
+async def _load_model_builder() -> None:
+    """Import the model builder (torch: ~2.5 CPU-s, ~190 MB) in a thread once the sharder
+    runs, not when it plans its first job: a job submitted to a fresh stack (``conveyor run``)
+    was planned ~3 s after its submission, most of it this import. A failure is logged; the
+    first plan imports it again and fails that job with the reason."""
+    try:
+        await asyncio.to_thread(importlib.import_module, "conveyor.training.slicing")
+    except Exception:
+        logger.warning("loading the model builder failed; planning will try again", exc_info=True)
 
 
 class _PlanFailed(Exception):
@@ -155,9 +167,13 @@ class SharderService(Service):
             ) as consumer,
         ):
             self._producer, self._admin, self._consumer = producer, admin, consumer
+            warm_up = asyncio.create_task(_load_model_builder(), name="sharder.warm-up")
             try:
                 await self._loop(consumer)
             finally:
+                warm_up.cancel()  # the import's thread runs on; nothing awaits it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await warm_up
                 self._producer = self._admin = self._consumer = None
                 self._jobs_active.set(0)
                 self._lead.set(0)
@@ -328,8 +344,7 @@ class SharderService(Service):
             num_classes = dataset.num_classes  # a token file's vocabulary may be unknown
         except (ValueError, DatasetError) as exc:
             raise _PlanFailed(f"cannot plan dataset {uri}: {exc}") from exc
-        # Imported on the first job planned, not at start: it loads torch (~2.5 CPU-s), which
-        # nothing else of the sharder needs.
+        # Loaded by the warm-up at start (_load_model_builder); imported here in case it failed.
         from conveyor.training.slicing import build_job_model
 
         try:
