@@ -155,16 +155,17 @@ class KafkaSettings(_FileAwareSettings):
         ),
     )
     fetch_max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] = Field(
-        default=500,
+        default=200,
         description=(
-            "Longest a fetch waits at the broker for new records (aiokafka's default, 500 "
+            "Longest a fetch waits at the broker for new records (aiokafka's default is 500 "
             "ms); the gradient plane's readers use plane_fetch_max_wait_ms instead. The "
             "embedded broker holds a fetch for part of this even when records arrive (hop "
             "median ~9 ms at 50, ~30 ms at 200), and every empty fetch costs CPU in the client "
             "and the broker: an idle embedded stack used 15% of a core at 200, 10% at 500 and "
             "9% at 1000; 500 also cut Conveyor's CPU per sample ~15% in bench_decode on 2 "
-            "cores. Readers outside the plane carry job events, shard tasks and batches, "
-            "whose latency a prefetch or a flow-control lead hides."
+            "cores. It stays at 200: at 500 the checkpointer still let a completed job go "
+            "without committing its final checkpoint in a clean-clone test run, after the "
+            "control-topic read that fixed one cause of it."
         ),
     )
     plane_fetch_max_wait_ms: Annotated[int, Field(ge=0, le=10_000)] = Field(
