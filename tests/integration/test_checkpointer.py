@@ -5,7 +5,8 @@ A job that ended while no checkpointer ran gets its final checkpoint committed b
 one that starts (manifest, ``latest``, keep_last, one ``checkpoint`` event), from its slice
 files alone; a missing or torn slice file is a logged reason and no commit. A job whose end a
 checkpointer saw is committed once: neither that process nor the next one commits it again.
-It is committed also when the checkpointer's control reader lags the jobs topic at the end.
+It is committed also when the checkpointer's control reader lags the jobs topic at the end,
+and when the job ends while its commit is under way.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from conveyor.platform.storage import open_store
 from conveyor.services.checkpointer import service as checkpointer_service
 from conveyor.services.checkpointer.config import CheckpointerSettings
 from conveyor.services.checkpointer.service import CheckpointerService
-from conveyor.training.checkpoint import CheckpointStore, latest_key, slice_key
+from conveyor.training.checkpoint import CheckpointStore, Manifest, latest_key, slice_key
 
 KEEP_LAST = 2
 ONE_EPOCH: dict[str, Any] = {
@@ -260,3 +261,46 @@ async def test_a_control_reader_behind_the_jobs_end_still_commits_the_final_chec
     assert manifest is not None and not skipped
     assert (manifest.version, manifest.trigger) == (FINAL, "job_end")
     assert manifest.data_cursor.samples_trained == peer.ctx.plan.num_train
+
+
+async def test_a_commit_under_way_when_the_job_ends_is_finished_not_cut(
+    kafka: KafkaSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final checkpoint's announcements are read and its commit starts just before the
+    checkpointer sees ``completed``: letting the job go must not cancel that commit halfway
+    (the manifest written and the version settled, but no ``checkpoint`` event). The pass over
+    the completed jobs, which could repair it, is a long interval away here."""
+    service = CheckpointerService(
+        settings=CheckpointerSettings(poll_s=0.05, registry_interval_s=300),
+        kafka=kafka,
+        storage=StorageSettings(uri=f"file://{tmp_path}"),
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
+    commit = CheckpointStore.commit
+    held: list[int] = []
+
+    def commit_after_the_end(self: CheckpointStore, manifest: Manifest) -> str:
+        """The final version's commit (in its worker thread) waits until this process saw
+        the job complete, then a little longer, so the let-go comes while it is under way."""
+        if manifest.version == FINAL:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                job = service.view.get(manifest.job_id)
+                if job is not None and job.state == "completed":
+                    break
+                time.sleep(0.02)
+            held.append(manifest.version)
+            time.sleep(0.5)
+        return commit(self, manifest)
+
+    monkeypatch.setattr(CheckpointStore, "commit", commit_after_the_end)
+    async with AsyncExitStack() as stack:
+        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        job_id = peer.ctx.job_id
+        await stack.enter_async_context(running(service))
+        await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
+        await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
+        assert held == [FINAL]
+        assert (job_id, 0) not in service.finals_settled  # not by the pass: by the task
+    assert await checkpoint_events(kafka, job_id) == [1, 2, 3, FINAL]
+    assert checkpoints.committed_versions() == [FINAL, 3]

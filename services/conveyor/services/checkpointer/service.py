@@ -217,14 +217,22 @@ class CheckpointerService(JobHostService[Prepared]):
         book.floor = max(await asyncio.to_thread(checkpoints.committed_versions), default=0)
         control_topic = job.plan.control_topic  # the view's plan changes on a resume
         async with TopicTail(self.kafka, control_topic, types=book.FOLDED) as control:
+            committing: asyncio.Future[None] | None = None
             try:
                 while True:
                     for record in await control.get_many(self.settings.poll_s):
                         book.fold(record.message)
-                    await self._commit_ready(job, spec, checkpoints, book)
+                    # Shielded: the let-go below must not cut a commit in half (manifest
+                    # written, its version marked done, but no ``checkpoint`` event).
+                    committing = asyncio.ensure_future(
+                        self._commit_ready(job, spec, checkpoints, book)
+                    )
+                    await asyncio.shield(committing)
                     await self._ask_on_time(job, spec, book, control_topic)
             except asyncio.CancelledError:
-                # Let go: the job ended (or this process stops).
+                # Let go: the job ended (or this process stops). A commit under way ends first.
+                if committing is not None:
+                    await committing
                 await self._finish(job, spec, checkpoints, book, control)
                 raise
 
