@@ -64,6 +64,7 @@ from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.leader import Leader
 from conveyor.services.aggregator.metrics import AggregatorMetrics
 from conveyor.services.aggregator.opening import SliceOpener
+from conveyor.services.aggregator.resting import ControlRest
 from conveyor.services.aggregator.saving import SliceSaver
 from conveyor.services.aggregator.slice_owner import SliceOwner
 from conveyor.training.checkpoint import (
@@ -138,6 +139,7 @@ class JobAggregator:
         self._wake = asyncio.Event()
         self._drained_at = -1.0
         """Start (monotonic s) of the latest control fetch that found nothing left to read."""
+        self._rest = ControlRest(enabled=self.coordinator.sync)
         self._owned_since: float | None = None
         """Since when (monotonic s) this process owns partition 0."""
         self._engine_doing = "starting"
@@ -206,9 +208,20 @@ class JobAggregator:
 
     async def _read_control(self, control: TopicTail, grads: Consumer) -> None:
         while True:
+            rest_s = self._rest.rest_s(time.monotonic()) if self._settled() else 0.0
+            if rest_s > 0:  # a step's members are computing (see resting.py)
+                control.pause()
+                try:
+                    await asyncio.sleep(rest_s)
+                finally:
+                    control.resume()
+                self.metrics.control_rest_seconds.inc(rest_s)
+                continue  # not a fetch that found nothing: _drained_at stays
             started = time.monotonic()
             records = await control.get_many(_CONTROL_POLL_S)
+            read_at = time.monotonic()
             for record in records:
+                self._rest.folded(record.message, read_at)
                 if isinstance(record.message, ResumePoint):
                     await self._resume(record.message)
                 else:
@@ -224,6 +237,16 @@ class JobAggregator:
                 self._folded.set()
             else:
                 self._drained_at = started
+
+    def _settled(self) -> bool:
+        """Nothing waits on this process: no contribution undecided, every owned slice
+        applied the latest close, no slice being opened."""
+        version = self.coordinator.version
+        return (
+            not self._early
+            and not self.coordinator.undecided()
+            and all(owner.version >= version for owner in self.owners.values())
+        )
 
     async def _resume(self, point: ResumePoint) -> None:
         try:

@@ -57,6 +57,12 @@ class AggregatorMetrics:
         self.served_jobs = gauge(
             "aggregator", "served_jobs", "Jobs whose gradient plane this process serves."
         )
+        self.control_rest_seconds = counter(
+            "aggregator",
+            "control_rest_seconds_total",
+            "Time the control reader paused after a StepClose while the step's members "
+            "computed (resting.py), instead of sending empty fetches.",
+        )
         self.checkpoint_write_seconds = histogram(
             "aggregator",
             "checkpoint_write_seconds",
