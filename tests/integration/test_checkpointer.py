@@ -110,6 +110,29 @@ async def run_job(
     return peer, CheckpointStore(open_store(f"file://{objects}"), ctx.job_id)
 
 
+async def to_the_final_commit(
+    stack: AsyncExitStack, kafka: KafkaSettings, objects: Path, service: CheckpointerService
+) -> tuple[Peer, CheckpointStore]:
+    """:func:`run_job` with ``service`` running from before the first step to the job's end,
+    until the final checkpoint's ``checkpoint`` event."""
+    peer, checkpoints = await run_job(stack, kafka, objects)
+    await stack.enter_async_context(running(service))
+    await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
+    await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
+    return peer, checkpoints
+
+
+def checkpointer_without_the_pass(kafka: KafkaSettings, objects: Path) -> CheckpointerService:
+    """A checkpointer whose pass over the completed jobs (which commits a final checkpoint from
+    the store) is 300 s away: what commits in a test is the job's own task."""
+    return CheckpointerService(
+        settings=CheckpointerSettings(poll_s=0.05, registry_interval_s=300),
+        kafka=kafka,
+        storage=StorageSettings(uri=f"file://{objects}"),
+        telemetry=TelemetrySettings(otlp_endpoint=None),
+    )
+
+
 async def finish(
     peer: Peer, version: int, queue: list[str], evaluating: asyncio.Task[None]
 ) -> None:
@@ -205,12 +228,9 @@ async def test_a_final_checkpoint_committed_at_the_jobs_end_is_not_committed_aga
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
     async with AsyncExitStack() as stack:
-        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        service = checkpointer(kafka, tmp_path)
+        peer, checkpoints = await to_the_final_commit(stack, kafka, tmp_path, service)
         ctx = peer.ctx
-        service = checkpointer(kafka, tmp_path)  # from before the first step to the end
-        await stack.enter_async_context(running(service))
-        await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
-        await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
         # Both ways to the final commit were open in this process: its task, and its pass
         # over the completed jobs once the task let the job go.
         await settled(service, ctx.job_id)
@@ -226,12 +246,7 @@ async def test_a_control_reader_behind_the_jobs_end_still_commits_the_final_chec
     (the aggregator published them first). Letting the job go then must still commit it,
     from the announcements; the pass over the completed jobs, which would commit it from the
     store, is a long interval away here."""
-    service = CheckpointerService(
-        settings=CheckpointerSettings(poll_s=0.05, registry_interval_s=300),
-        kafka=kafka,
-        storage=StorageSettings(uri=f"file://{tmp_path}"),
-        telemetry=TelemetrySettings(otlp_endpoint=None),
-    )
+    service = checkpointer_without_the_pass(kafka, tmp_path)
 
     def completed_here(job_id: str) -> bool:
         job = service.view.get(job_id)
@@ -248,11 +263,8 @@ async def test_a_control_reader_behind_the_jobs_end_still_commits_the_final_chec
 
     monkeypatch.setattr(checkpointer_service, "TopicTail", LaggingTail)
     async with AsyncExitStack() as stack:
-        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        peer, checkpoints = await to_the_final_commit(stack, kafka, tmp_path, service)
         job_id = peer.ctx.job_id
-        await stack.enter_async_context(running(service))
-        await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
-        await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
         assert completed_here(job_id) and job_id not in service.hosted_jobs
         assert (job_id, 0) not in service.finals_settled  # not by the pass: by the let-go
     assert await checkpoint_events(kafka, job_id) == [1, 2, 3, FINAL]
@@ -270,12 +282,7 @@ async def test_a_commit_under_way_when_the_job_ends_is_finished_not_cut(
     checkpointer sees ``completed``: letting the job go must not cancel that commit halfway
     (the manifest written and the version settled, but no ``checkpoint`` event). The pass over
     the completed jobs, which could repair it, is a long interval away here."""
-    service = CheckpointerService(
-        settings=CheckpointerSettings(poll_s=0.05, registry_interval_s=300),
-        kafka=kafka,
-        storage=StorageSettings(uri=f"file://{tmp_path}"),
-        telemetry=TelemetrySettings(otlp_endpoint=None),
-    )
+    service = checkpointer_without_the_pass(kafka, tmp_path)
     commit = CheckpointStore.commit
     held: list[int] = []
 
@@ -295,11 +302,8 @@ async def test_a_commit_under_way_when_the_job_ends_is_finished_not_cut(
 
     monkeypatch.setattr(CheckpointStore, "commit", commit_after_the_end)
     async with AsyncExitStack() as stack:
-        peer, checkpoints = await run_job(stack, kafka, tmp_path)
+        peer, checkpoints = await to_the_final_commit(stack, kafka, tmp_path, service)
         job_id = peer.ctx.job_id
-        await stack.enter_async_context(running(service))
-        await finish(peer, 0, peer.train_batches(0), asyncio.create_task(peer.evaluate_epochs(1)))
-        await peer.wait_for(lambda: FINAL in committed_versions(peer), 30)
         assert held == [FINAL]
         assert (job_id, 0) not in service.finals_settled  # not by the pass: by the task
     assert await checkpoint_events(kafka, job_id) == [1, 2, 3, FINAL]
