@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 from coordinator_cases import T0, batch, beat, contrib, coordinator, echo
 
-from conveyor.platform.messages import Message
 from conveyor.services.aggregator.coordinator import Coordinator
 from conveyor.services.aggregator.resting import ControlRest
 
@@ -18,10 +17,9 @@ def step(c: Coordinator, rest: ControlRest, at: float, computed_s: float) -> flo
     the previous close was read), then the close that it completes read 0.01 s later;
     returns when the close was read."""
     version = c.version
-    records: list[Message] = [contrib("a", version, [batch(0, 4 * version + i) for i in range(4)])]
-    for record in records:
-        c.fold(record)
-        rest.folded(record, at + computed_s)
+    contribution = contrib("a", version, [batch(0, 4 * version + i) for i in range(4)])
+    c.fold(contribution)
+    rest.folded(contribution, at + computed_s)
     decisions = c.decide(at + computed_s)
     assert decisions.close is not None and decisions.close.version == version + 1
     echo(c, decisions)
