@@ -25,6 +25,8 @@ from gateway_harness import (
     wait_ready,
 )
 
+from conveyor.cli.client import GatewayClient
+from conveyor.cli.jobs import why_queued
 from conveyor.platform.bus import Producer, TopicAdmin, TopicTail, create_topology, ensure_topics
 from conveyor.platform.config import KafkaSettings, StorageSettings, TopologySettings
 from conveyor.platform.messages import CheckpointRequest, Topics, TrainerPresence
@@ -153,6 +155,12 @@ async def test_queue_shows_the_schedule_of_the_trainer_pool(
     assert [job["id"] for job in queued["jobs"]] == [ids["small"], ids["big"]]  # newest first
     big = (await gateway.client.get(f"/v1/jobs/{ids['big']}")).json()
     assert (big["state"], big["queue_position"], big["trainers"]) == ("queued", 1, [])
+    # What `conveyor run` and `conveyor job --wait` print while a job waits (a blocking client:
+    # in a thread, beside the gateway serving on this loop).
+    with GatewayClient(str(gateway.client.base_url)) as client:
+        line = await asyncio.to_thread(why_queued, client, ids["big"], 1)
+    assert f"job {ids['big']}: queued at position 1 for 2 trainer(s); " in line
+    assert "the trainer pool has 2 (1 idle)" in line
 
 
 async def test_cancel(gateway: Gateway, kafka_settings: KafkaSettings) -> None:

@@ -167,9 +167,14 @@ def follow_with_progress(client: GatewayClient, job_id: str, *, quiet: bool) -> 
     job: dict[str, Any] = {}
     logged: tuple[str, int] = ("", 0)
     logged_at = 0.0
+    queued_at: int | None = None
     try:
         for job in client.follow(job_id):
             progress = job["progress"]
+            position = job.get("queue_position") if job["state"] == "queued" else None
+            if position is not None and position != queued_at and not quiet:
+                bar.write(why_queued(client, job_id, position), file=sys.stderr)
+            queued_at = position
             if bar.total is None and progress.get("total_steps"):
                 bar.total = progress["total_steps"]
                 bar.refresh()
@@ -194,6 +199,18 @@ def follow_with_progress(client: GatewayClient, job_id: str, *, quiet: bool) -> 
 
 
 _LOG_EVERY_S = 10.0
+
+
+def why_queued(client: GatewayClient, job_id: str, position: int) -> str:
+    """One line saying what the queued job waits for, from the gateway's ``/v1/queue``."""
+    queue = client.queue()
+    entry = next((q for q in queue["queued"] if q["id"] == job_id), None)
+    needs = "" if entry is None else f" for {entry['min_trainers']} trainer(s)"
+    return (
+        f"job {job_id}: queued at position {position}{needs}; the trainer pool has "
+        f"{queue['pool_size']} ({len(queue['idle_trainers'])} idle). It starts when enough "
+        "trainers are free (on the embedded stack: conveyor up --scale trainer=N)."
+    )
 
 
 def _postfix(job: dict[str, Any]) -> dict[str, Any]:
