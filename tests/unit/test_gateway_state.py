@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from job_events import job_event
 
-from conveyor.platform.messages import JobEvent
+from conveyor.platform.messages import JobEvent, JobResumed
 from conveyor.training.jobview import JobsView, percentile
 
 SPEC: dict[str, Any] = {"name": "digits-cnn", "training": {"epochs": 3, "max_steps": None}}
@@ -218,6 +218,39 @@ def test_stage_percentiles_over_a_bounded_window() -> None:
     assert compute["max"] == 4.0 and compute["last"] == 4.0
     assert compute["p50"] == pytest.approx(2.5)
     assert compute["p99"] == pytest.approx(3.97)
+
+
+def test_an_ended_job_keeps_its_stage_percentiles_not_its_windows() -> None:
+    view = JobsView(stage_window=4)
+    view.apply(submitted("a"))
+    for i, latency in enumerate([1.0, 2.0, 3.0, 4.0]):
+        view.apply(ev("a", "progress", at=float(i), worker_id="w",
+                      stage_latency_s={"compute": latency}))  # fmt: skip
+    job = view.get("a")
+    assert job is not None
+    running = job.stage_percentiles()
+    assert running["compute"]["count"] == 4 and running["compute"]["p50"] == pytest.approx(2.5)
+    view.apply(ev("a", "completed", at=5.0))
+    assert job.stage_samples_s == {}  # the floats of every report are gone
+    assert job.stage_percentiles() == running
+    # A resumed job's new reports start fresh windows, which are then what is served.
+    resumed = JobResumed(job_id="a", spec=SPEC, checkpoint_version=3, incarnation=1, reason="t",
+                         at=6.0)  # fmt: skip
+    view.apply(resumed)
+    assert job.stage_percentiles() == running
+    view.apply(ev("a", "progress", at=7.0, worker_id="w", stage_latency_s={"compute": 9.0}))
+    assert job.stage_percentiles()["compute"]["count"] == 1
+    assert job.stage_percentiles()["compute"]["last"] == 9.0
+
+
+def test_a_view_that_tracks_no_stages_keeps_no_windows() -> None:
+    view = JobsView(track_stages=False)
+    view.apply(submitted("a"))
+    view.apply(ev("a", "progress", worker_id="w", stage_latency_s={"compute": 1.0}, loss=0.5))
+    job = view.get("a")
+    assert job is not None
+    assert job.stage_samples_s == {} and job.stage_percentiles() == {}
+    assert job.loss == 0.5 and job.progress()["workers"] == ["w"]  # the rest of the report
 
 
 def test_percentile_interpolates() -> None:

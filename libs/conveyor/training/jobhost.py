@@ -89,7 +89,7 @@ class JobHostService(Service, Generic[Prepared]):
         self.topics = Topics(kafka.topic_prefix)
         self.worker_id = worker_id
         self.retry_backoff_s = retry_backoff_s
-        self.view = JobsView()
+        self.view = JobsView(track_stages=False)  # nothing here serves them
         """Every job, folded from the jobs topic."""
         self._reader: JobLogReader | None = None
         self._producer: Producer | None = None

@@ -125,6 +125,11 @@ class JobView:
     skipped_reasons: list[str] = field(default_factory=list)
     """``<file>: <reason>`` of the first of them (at most ``MAX_SKIPPED_REASONS``)."""
     stage_samples_s: dict[str, deque[float]] = field(default_factory=dict)
+    """Per stage, the latencies of the recent trainer reports (none where the view does not
+    track stages); dropped when the job ends, which keeps their percentiles instead."""
+    stage_summary: dict[str, dict[str, float]] | None = None
+    """:meth:`stage_percentiles` as the job ended: what it returns until new reports come (a
+    resume), so an ended job holds a few numbers per stage instead of its windows."""
     demand: Demand | None = None
     """What it asks of the trainer pool (from its spec)."""
     incarnation: int = 0
@@ -176,6 +181,8 @@ class JobView:
 
     def stage_percentiles(self) -> dict[str, dict[str, float]]:
         """Per stage: count, p50, p90, p99, max and last of the recent reports (seconds)."""
+        if not self.stage_samples_s and self.stage_summary is not None:
+            return self.stage_summary
         result: dict[str, dict[str, float]] = {}
         for stage, window in sorted(self.stage_samples_s.items()):
             ordered = sorted(window)
@@ -193,10 +200,13 @@ class JobView:
 class JobsView:
     """All jobs, folded from the jobs topic. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, *, stage_window: int = 256) -> None:
+    def __init__(self, *, stage_window: int = 256, track_stages: bool = True) -> None:
+        """``stage_window``: the latest reports kept per stage while a job runs;
+        ``track_stages`` False keeps none (for the services that never serve them: a view
+        held for months of jobs would otherwise keep every running job's windows)."""
         if stage_window < 1:
             raise ValueError("stage_window must be >= 1")
-        self._stage_window = stage_window
+        self._stage_window = stage_window if track_stages else 0
         self._jobs: dict[str, JobView] = {}
         self._by_key: dict[str, str] = {}
         self.pool = TrainerPool()
@@ -255,6 +265,8 @@ class JobsView:
             return None
         job.seq += 1
         job.updated_at = max(job.updated_at, event.at)
+        if job.terminal and job.stage_samples_s:
+            job.stage_summary, job.stage_samples_s = job.stage_percentiles(), {}
         return job
 
     def _resume(self, event: JobResumed) -> JobView | None:
@@ -386,7 +398,7 @@ def _trainer_report(job: JobView, event: TrainerProgress) -> WorkerProgress:
     if event.loss is not None:
         job.loss = event.loss
     for stage, latency_s in event.stage_latency_s.items():
-        if math.isfinite(latency_s) and latency_s >= 0:
+        if job.stage_window and math.isfinite(latency_s) and latency_s >= 0:
             window = job.stage_samples_s.setdefault(stage, deque(maxlen=job.stage_window))
             window.append(latency_s)
     return WorkerProgress(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from contextlib import AsyncExitStack
 
 from conveyor.platform.bus import BusError, Producer, TopicTail, wait_for_topics
@@ -46,6 +47,8 @@ from conveyor.training.jobview import JobsView
 logger = logging.getLogger(__name__)
 
 
+_DECISIONS_KEPT = 1024
+"""Decisions kept in memory: one per pool at least every report interval, for months."""
 _DECISIONS = counter("autoscaler", "decisions_total", "Decisions that changed the pool.",
                      ["service", "action"])  # fmt: skip
 _REPLICAS = gauge("autoscaler", "replicas", "Replicas of the pool after the last decision.",
@@ -85,10 +88,10 @@ class AutoscalerService(Service):
         self.kafka = kafka
         self.topics = Topics(kafka.topic_prefix)
         self.policy = ScalingPolicy(settings.policy())
-        self.view = JobsView()
+        self.view = JobsView(track_stages=False)  # nothing here serves them
         self.load = PoolLoad()
-        self.decisions: list[ScalingDecision] = []
-        """Every decision published by this process (tests and the log read them)."""
+        self.decisions: deque[ScalingDecision] = deque(maxlen=_DECISIONS_KEPT)
+        """The latest decisions this process published (tests read them; the topic has all)."""
         self._last_report_at: dict[str, float] = {}
         """Pool -> when its last decision was published."""
         self._producer: Producer | None = None
