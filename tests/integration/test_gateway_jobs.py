@@ -212,6 +212,11 @@ async def read_sse(lines: AsyncIterator[str]) -> list[tuple[str, dict[str, Any]]
 async def test_lifecycle_events_fold_into_the_view_and_stream(
     gateway: Gateway, kafka_settings: KafkaSettings
 ) -> None:
+    # The two trainers it asks for in the pool: it is placed, so its stream shows the view's
+    # states.
+    for worker in ("trainer-0", "trainer-1"):
+        await publish_presence(kafka_settings, worker)
+    await wait_for_queue(gateway, lambda q: q["pool_size"] == 2)
     job = (await gateway.client.post("/v1/jobs", json=SPEC)).json()
     job_id = job["id"]
     async with gateway.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
@@ -246,6 +251,47 @@ async def test_lifecycle_events_fold_into_the_view_and_stream(
         frames = await asyncio.wait_for(read_sse(stream.aiter_lines()), 10)
     assert [(event, data["state"]) for event, data in frames] == [("snapshot", "completed")]
     assert (await gateway.client.get("/v1/jobs/nope/events")).status_code == 404
+
+
+async def test_a_queued_jobs_stream_says_queued_while_its_aggregators_report(
+    gateway: Gateway, kafka_settings: KafkaSettings
+) -> None:
+    """The aggregators host every planned job and report its progress (which makes the view's
+    state running) before any trainer is placed on it: the stream, like the API, says queued,
+    with the job's place, as long as the schedule leaves it waiting."""
+    spec = {**SPEC, "distribution": {**SPEC["distribution"], "trainers": 2}}
+    await publish_presence(kafka_settings, "trainer-0")  # one trainer: too few
+    await wait_for_queue(gateway, lambda q: q["pool_size"] == 1)
+    job_id = (await gateway.client.post("/v1/jobs", json=spec)).json()["id"]
+    async with gateway.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        lines = stream.aiter_lines()
+        await publish(kafka_settings, job_id, ("planned", {}), ("progress", {"step": 0}))
+        frames = await asyncio.wait_for(first_frames(lines, 3), 10)
+    assert [event for event, _ in frames] == ["snapshot", "planned", "progress"]
+    assert [(data["state"], data["queue_position"]) for _, data in frames[1:]] == [
+        ("queued", 1), ("queued", 1)]  # fmt: skip
+    shown = (await gateway.client.get(f"/v1/jobs/{job_id}")).json()
+    assert (shown["state"], shown["queue_position"]) == ("queued", 1)
+
+
+async def publish_presence(kafka_settings: KafkaSettings, worker: str) -> None:
+    async with Producer(kafka_settings) as producer:
+        presence = TrainerPresence(worker_id=worker, job_id=None, ttl_s=60.0)
+        await producer.publish(Topics(kafka_settings.topic_prefix).jobs, presence, key=worker)
+
+
+async def first_frames(lines: AsyncIterator[str], count: int) -> list[tuple[str, dict[str, Any]]]:
+    """(event, data) of the stream's first ``count`` frames."""
+    frames: list[tuple[str, dict[str, Any]]] = []
+    event = ""
+    async for line in lines:
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            frames.append((event, json.loads(line.removeprefix("data: "))))
+            if len(frames) == count:
+                break
+    return frames
 
 
 async def test_idle_stream_sends_keepalive_comments(kafka_settings: KafkaSettings) -> None:

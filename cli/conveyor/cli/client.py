@@ -189,6 +189,7 @@ def _apply_event(job: dict[str, Any], event: str, data: dict[str, Any]) -> dict[
     job = {
         **job,
         "state": data.get("state", job["state"]),
+        "queue_position": data.get("queue_position", job.get("queue_position")),
         "progress": data.get("progress", job["progress"]),
     }
     if event == "epoch_completed":

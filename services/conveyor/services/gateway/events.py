@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import JobEvent
 from conveyor.training.joblog import JobLogReader
 from conveyor.training.jobview import JobsView, JobView
+from conveyor.training.scheduling import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,12 @@ class Subscription:
 class EventHub:
     """Delivers applied events to the progress streams subscribed to their job."""
 
-    def __init__(self, *, max_events: int) -> None:
+    def __init__(self, *, max_events: int, schedule: Callable[[], Schedule]) -> None:
+        """``schedule``: the trainer pool's schedule now, so that an event shows the job's
+        state as the API does (``queued`` while the schedule leaves it waiting for trainers,
+        even once the aggregators that host it report progress)."""
         self._max_events = max_events
+        self._schedule = schedule
         self._subscriptions: dict[str, set[Subscription]] = {}
 
     def subscribe(self, job_id: str) -> Subscription:
@@ -76,12 +82,14 @@ class EventHub:
         subscribers = self._subscriptions.get(job.job_id)
         if not subscribers:
             return
+        position = self._schedule().position(job.job_id)
         payload = {
             "job_id": job.job_id,
             "event": event.EVENT,
             "at": event.at,
             "seq": job.seq,
-            "state": job.state,
+            "state": "queued" if position is not None else job.state,
+            "queue_position": position,
             "data": event.details(),
             "progress": job.progress(),
         }

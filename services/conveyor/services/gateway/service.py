@@ -92,7 +92,7 @@ class GatewayService(Service):
         self.artifacts = JobArtifacts(storage)
         self.topics = Topics(kafka.topic_prefix)
         self.view = JobsView(stage_window=settings.stage_window)
-        self.hub = EventHub(max_events=settings.sse_queue_events)
+        self.hub = EventHub(max_events=settings.sse_queue_events, schedule=self.view.schedule)
         self.autoscaler = AutoscalerLog()
         self._tail: JobsTail | None = None
         self._producer: Producer | None = None
