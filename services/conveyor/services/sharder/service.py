@@ -220,6 +220,7 @@ class SharderService(Service):
                 logger.info("job %s: handed over to another sharder", job.job_id)
                 self.table.forget(job.job_id)
                 self._ended_at.pop(job.job_id, None)
+                self._dataset_attempts.pop(job.job_id, None)
             elif job.terminal:
                 ended_at = self._ended_at.setdefault(job.job_id, time.monotonic())
                 if time.monotonic() - ended_at >= self.settings.finished_topics_grace_s:
