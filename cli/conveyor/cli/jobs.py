@@ -9,6 +9,7 @@ on the last line of standard output.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from conveyor.cli.client import TERMINAL_STATES, GatewayClient
+from conveyor.cli.client import TERMINAL_STATES, GatewayClient, GatewayError
 from conveyor.cli.options import DEFAULT_STATE_DIR, StateDir, fail
 from conveyor.platform.errors import ConveyorError
 
@@ -173,7 +174,9 @@ def follow_with_progress(client: GatewayClient, job_id: str, *, quiet: bool) -> 
             progress = job["progress"]
             position = job.get("queue_position") if job["state"] == "queued" else None
             if position is not None and position != queued_at and not quiet:
-                bar.write(why_queued(client, job_id, position), file=sys.stderr)
+                # A gateway restarting: no hint this time; the stream resumes on its own.
+                with contextlib.suppress(GatewayError):
+                    bar.write(why_queued(client, job_id, position), file=sys.stderr)
             queued_at = position
             if bar.total is None and progress.get("total_steps"):
                 bar.total = progress["total_steps"]
