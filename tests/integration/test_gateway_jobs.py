@@ -197,8 +197,11 @@ LIFECYCLE: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-async def read_sse(lines: AsyncIterator[str]) -> list[tuple[str, dict[str, Any]]]:
-    """(event, data) of every frame until the server ends the stream."""
+async def read_sse(
+    lines: AsyncIterator[str], count: int | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """(event, data) of every frame until the server ends the stream, or of the first
+    ``count``."""
     frames: list[tuple[str, dict[str, Any]]] = []
     event = ""
     async for line in lines:
@@ -206,6 +209,8 @@ async def read_sse(lines: AsyncIterator[str]) -> list[tuple[str, dict[str, Any]]
             event = line.removeprefix("event: ")
         elif line.startswith("data: "):
             frames.append((event, json.loads(line.removeprefix("data: "))))
+            if len(frames) == count:
+                break
     return frames
 
 
@@ -266,7 +271,7 @@ async def test_a_queued_jobs_stream_says_queued_while_its_aggregators_report(
     async with gateway.client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
         lines = stream.aiter_lines()
         await publish(kafka_settings, job_id, ("planned", {}), ("progress", {"step": 0}))
-        frames = await asyncio.wait_for(first_frames(lines, 3), 10)
+        frames = await asyncio.wait_for(read_sse(lines, 3), 10)
     assert [event for event, _ in frames] == ["snapshot", "planned", "progress"]
     assert [(data["state"], data["queue_position"]) for _, data in frames[1:]] == [
         ("queued", 1), ("queued", 1)]  # fmt: skip
@@ -278,20 +283,6 @@ async def publish_presence(kafka_settings: KafkaSettings, worker: str) -> None:
     async with Producer(kafka_settings) as producer:
         presence = TrainerPresence(worker_id=worker, job_id=None, ttl_s=60.0)
         await producer.publish(Topics(kafka_settings.topic_prefix).jobs, presence, key=worker)
-
-
-async def first_frames(lines: AsyncIterator[str], count: int) -> list[tuple[str, dict[str, Any]]]:
-    """(event, data) of the stream's first ``count`` frames."""
-    frames: list[tuple[str, dict[str, Any]]] = []
-    event = ""
-    async for line in lines:
-        if line.startswith("event: "):
-            event = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            frames.append((event, json.loads(line.removeprefix("data: "))))
-            if len(frames) == count:
-                break
-    return frames
 
 
 async def test_idle_stream_sends_keepalive_comments(kafka_settings: KafkaSettings) -> None:
