@@ -270,6 +270,15 @@ def test_list_newest_first_with_filter_and_limit() -> None:
     assert view.counts_by_state()["pending"] == 2 and view.counts_by_state()["failed"] == 1
 
 
+def test_unfinished_holds_every_job_not_ended_however_many_ended_after_it() -> None:
+    view = fold(submitted("old", at=0.0), ev("old", "running", worker_id="w"))
+    for i in range(150):  # more ended jobs than list()'s default limit, all newer
+        fold(submitted(f"done{i}", at=1.0 + i), ev(f"done{i}", "failed", reason="x"), view=view)
+    fold(submitted("new", at=500.0), view=view)
+    assert [job.job_id for job in view.unfinished()] == ["new", "old"]
+    assert "old" not in [job.job_id for job in view.list()]
+
+
 def test_stage_window_must_be_positive() -> None:
     with pytest.raises(ValueError):
         JobsView(stage_window=0)

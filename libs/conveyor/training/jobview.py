@@ -32,9 +32,11 @@ Fold rules (the view dispatches on the event's type):
 
 from __future__ import annotations
 
+import builtins
 import logging
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -225,10 +227,12 @@ class JobsView:
 
     def list(self, *, state: JobState | None = None, limit: int = 100) -> list[JobView]:
         """Newest submission first (ties: later in the log first), optionally one state only."""
-        ordered = reversed(self._jobs.values())  # dicts keep log order
-        chosen = [job for job in ordered if state is None or job.state == state]
-        chosen.sort(key=lambda job: job.submitted_at, reverse=True)  # stable: keeps log order
-        return chosen[:limit]
+        chosen = (job for job in self._jobs.values() if state is None or job.state == state)
+        return _newest_first(chosen)[:limit]
+
+    def unfinished(self) -> builtins.list[JobView]:
+        """The jobs not in a terminal state, newest submission first (as :meth:`list`)."""
+        return _newest_first(job for job in self._jobs.values() if not job.terminal)
 
     def counts_by_state(self) -> dict[JobState, int]:
         counts: dict[JobState, int] = dict.fromkeys(JOB_STATES, 0)
@@ -303,6 +307,12 @@ class JobsView:
         if event.idempotency_key is not None:
             self._by_key.setdefault(event.idempotency_key, event.job_id)
         return job
+
+
+def _newest_first(jobs: Iterable[JobView]) -> list[JobView]:
+    ordered = list(jobs)[::-1]  # dicts keep log order: later in the log first on ties
+    ordered.sort(key=lambda job: job.submitted_at, reverse=True)  # stable
+    return ordered
 
 
 def _mean_parts(reports: list[dict[str, float]]) -> dict[str, float]:

@@ -92,7 +92,9 @@ class Meter:
         topics = self._topics
         partitions = len(await self._lags.partitions(topics.shards))
         shards = await self._lags.progress(topics.preprocessor_group, topics.shards)
-        running = [job for job in self._view.list(limit=10_000) if job.state in RUNNING_STATES]
+        # Every unfinished job, however many ended ones the view holds.
+        unfinished = self._view.unfinished()
+        running = [job for job in unfinished if job.state in RUNNING_STATES]
         jobs = []
         for job in running:
             batches = await self._lags.progress(topics.trainer_group(job.job_id),
@@ -104,7 +106,7 @@ class Meter:
             rate = max(0.0, (done - self._last[1]) / (now - self._last[0]))
         self._last = (now, done)
         busy, reporting = self._load.busy(now=now, max_age_s=self._max_age_s)
-        servable = [job.demand for job in self._view.list(limit=10_000)
+        servable = [job.demand for job in unfinished
                     if job.servable and job.demand is not None]  # fmt: skip
         return Measurement(at=now, partitions=partitions, shards_lag=shards.lag,
                            shards_per_second=rate, jobs=jobs, busy_ratio=busy,
