@@ -5,6 +5,8 @@ tasks with batches left; the job view revives a resumed job; the registry of liv
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +46,7 @@ from conveyor.training.checkpoint import (
     SliceState,
 )
 from conveyor.training.checkpoint.slicefile import decode_slice, encode_slice
+from conveyor.training.checkpoint.slicehead import read_slice_head
 from conveyor.training.jobview import JobsView
 from conveyor.training.plan import JobPlan
 
@@ -266,3 +269,35 @@ def test_the_registry_tracks_live_jobs_and_brings_back_lost_ones(tmp_path: Path)
     event = recovery_event(lost, checkpoints)
     assert isinstance(event, JobResumed)
     assert (event.checkpoint_version, event.incarnation) == (7, 3)
+
+
+def test_a_slice_files_head_reads_without_torch_what_the_full_read_does(tmp_path: Path) -> None:
+    """The checkpointer commits a job's final checkpoint from the files in the store by their
+    heads (:func:`read_slice_head`): the same identity and progress as :func:`decode_slice`,
+    in a process that never imports torch; a torn file is refused."""
+    straight, _ = straight_run()
+    progress = straight.progress_at[6]
+    state = SliceState(slice_index=0, version=6, values=torch.zeros(3), optimizer={},
+                       grads_offset=7, progress=progress)  # fmt: skip
+    data = bytes(encode_slice(JOB, state))
+    full = decode_slice(data)
+    head = read_slice_head(data)
+    assert (head.slice_index, head.version, head.grads_offset) == (0, 6, 7)
+    assert head.progress == full.progress
+    assert head.progress is not None and head.progress.step_losses == straight.step_losses
+    with pytest.raises(ValueError, match="not a slice state file"):
+        read_slice_head(data[: len(data) // 2])
+
+    path = tmp_path / "slice-0.safetensors"
+    path.write_bytes(data)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from conveyor.training.checkpoint.slicehead import read_slice_head\n"
+        f"head = read_slice_head(Path({str(path)!r}).read_bytes())\n"
+        "assert head.progress is not None\n"
+        "print(head.version, head.progress.steps, 'torch' in sys.modules)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert ran.stdout.split() == ["6", str(progress.steps), "False"]

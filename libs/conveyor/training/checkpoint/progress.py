@@ -18,6 +18,7 @@ epoch's evaluation came in is therefore always usable.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,13 +116,14 @@ class JobProgress:
         return json.dumps(document, separators=(",", ":")), tensors
 
     @classmethod
-    def from_file_parts(cls, metadata: str, tensors: dict[str, torch.Tensor]) -> JobProgress:
-        """What :meth:`to_file_parts` wrote; ValueError for anything malformed."""
+    def from_file_parts(cls, metadata: str, tensors: Mapping[str, Any]) -> JobProgress:
+        """What :meth:`to_file_parts` wrote, its tensors as CPU torch tensors or numpy arrays
+        (:mod:`.slicehead` reads them without torch); ValueError for anything malformed."""
         try:
             raw = json.loads(metadata)
-            counts = tensors[LEDGER_COUNTS_TENSOR].numpy()
+            counts = np.asarray(tensors[LEDGER_COUNTS_TENSOR])
             ledger = Ledger.from_arrays({
-                "epochs": tensors[LEDGER_EPOCHS_TENSOR].numpy(),
+                "epochs": np.asarray(tensors[LEDGER_EPOCHS_TENSOR]),
                 "counts": counts if counts.size else np.zeros((0, raw["num_samples"]), np.int32),
             })  # fmt: skip
             return cls(
@@ -138,14 +140,13 @@ class JobProgress:
             raise ValueError(f"malformed job progress: {exc}") from exc
 
 
-def _step_losses(tensor: torch.Tensor | None) -> list[float]:
-    import torch  # see to_file_parts
-
+def _step_losses(tensor: Any) -> list[float]:
     if tensor is None:  # a checkpoint from before step losses were kept
         return []
-    if tensor.dtype != torch.float64 or tensor.dim() != 1:
-        raise ValueError(f"step losses must be float64 [steps], got {tensor.dtype} {tensor.shape}")
-    return [float(loss) for loss in tensor.tolist()]
+    losses = np.asarray(tensor)
+    if losses.dtype != np.float64 or losses.ndim != 1:
+        raise ValueError(f"step losses must be float64 [steps], got {losses.dtype} {losses.shape}")
+    return [float(loss) for loss in losses.tolist()]
 
 
 def _outcome_json(outcome: EpochOutcome) -> dict[str, Any]:

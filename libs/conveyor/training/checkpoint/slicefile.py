@@ -3,8 +3,9 @@ parsed by :func:`decode_slice` (only safetensors and JSON, never pickle).
 
 The part of checkpoints that imports torch: :class:`~.store.CheckpointStore` imports it when
 it first writes or reads a slice file, so a process that only lists, commits and retains
-checkpoints (the gateway, the sharder, the checkpointer until it reads a file back) does not
-load torch."""
+checkpoints (the gateway, the sharder, the checkpointer) does not load torch; the checkpointer
+reads what it needs of a file back (its identity, the job's progress) with :mod:`.slicehead`,
+over the same header."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from conveyor.training.checkpoint.progress import (
     PROGRESS_TENSORS,
     JobProgress,
 )
+from conveyor.training.checkpoint.slicehead import read_header
 from conveyor.training.checkpoint.store import SliceState
 
 SLICE_FORMAT = "1"
@@ -132,18 +134,9 @@ def decode_slice(
 def _parse_safetensors(data: memoryview) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(``__metadata__``, tensors as views of ``data``) of a safetensors file. ValueError (or
     KeyError, TypeError) for a truncated or malformed one."""
-    if data.nbytes < 8:
-        raise ValueError("truncated header")
-    length = int.from_bytes(data[:8], "little")
-    if 8 + length > data.nbytes:
-        raise ValueError(f"header of {length} bytes in a file of {data.nbytes}")
-    header = json.loads(bytes(data[8 : 8 + length]))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    if not isinstance(metadata, dict):
-        raise ValueError("no metadata")
-    start, tensors = 8 + length, {}
+    head = read_header(data)
+    metadata, header = head.metadata, head.entries
+    start, tensors = head.data_start, {}
     with warnings.catch_warnings():
         # torch warns that a tensor over read-only memory (bytes) could write to it: see
         # decode_slice, nothing writes to these.

@@ -63,6 +63,7 @@ from conveyor.training.checkpoint import (
     SliceFile,
     slice_key,
 )
+from conveyor.training.checkpoint.slicehead import read_slice_head
 from conveyor.training.jobhost import JobFailure, JobHostService
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.jobview import JobView
@@ -377,9 +378,6 @@ def _files_in_store(
     and slice 0's job progress when its file was read. StorageError (ObjectNotFound,
     ChecksumMismatch, CheckpointError: the reason names the file) when one is missing, torn
     or holds another slice or version."""
-    # Reading a slice file back imports torch, which the checkpointer needs only here.
-    from conveyor.training.checkpoint.slicefile import decode_slice
-
     files: list[SliceFile] = []
     progress: JobProgress | None = None
     for index in range(num_slices):
@@ -391,7 +389,7 @@ def _files_in_store(
         info = checkpoints.store.info(key)
         data = checkpoints.store.get_bytes(key, expected_sha256=info.sha256 or None)
         try:
-            state = decode_slice(data)
+            state = read_slice_head(data)  # without torch, which nothing here needs
         except ValueError as exc:
             raise CheckpointError(f"{key}: {exc}") from exc
         if (state.slice_index, state.version) != (index, version):
