@@ -23,7 +23,9 @@ Fold rules (the view dispatches on the event's type):
   steps) is in, the counters, step, epoch and loss come from it alone (adding it to the
   trainers' would count every sample twice); rates and data wait still come from the trainers.
 - ``stage_latency_s`` ({stage: seconds}) of each trainer report is kept in a bounded window
-  per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99.
+  per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99. When the job
+  ends its windows give way to those percentiles (a view holds every job it ever saw); a view
+  built with ``track_stages=False`` (the services that never serve them) keeps no windows.
 - :class:`TrainerPresence` records (keyed by worker, not job) go to the trainer pool
   (:class:`~conveyor.training.scheduling.TrainerPool`); every record moves the pool's clock.
   :meth:`JobsView.schedule` places the pool's trainers on the jobs
