@@ -16,6 +16,7 @@ from typing import Any
 
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import JobEvent
+from conveyor.services.gateway.schemas import shown_state
 from conveyor.training.joblog import JobLogReader
 from conveyor.training.jobview import JobsView, JobView
 from conveyor.training.scheduling import Schedule
@@ -82,13 +83,13 @@ class EventHub:
         subscribers = self._subscriptions.get(job.job_id)
         if not subscribers:
             return
-        position = self._schedule().position(job.job_id)
+        state, position = shown_state(job, self._schedule())
         payload = {
             "job_id": job.job_id,
             "event": event.EVENT,
             "at": event.at,
             "seq": job.seq,
-            "state": "queued" if position is not None else job.state,
+            "state": state,
             "queue_position": position,
             "data": event.details(),
             "progress": job.progress(),

@@ -24,6 +24,13 @@ schedule leaves waiting for trainers."""
 StateFilter = Annotated[ShownState | None, Query(description="Only jobs in this state.")]
 
 
+def shown_state(view: JobView, schedule: Schedule) -> tuple[ShownState, int | None]:
+    """The job's state as the API (and its event stream) shows it, and its 1-based place in
+    the queue while the schedule leaves it waiting (None otherwise)."""
+    position = schedule.position(view.job_id)
+    return ("queued" if position is not None else view.state), position
+
+
 class Progress(BaseModel):
     """Training progress summed over the job's trainers (latest report of each)."""
 
@@ -82,11 +89,11 @@ class Job(BaseModel):
 
     @classmethod
     def of(cls, view: JobView, schedule: Schedule) -> Job:
-        position = schedule.position(view.job_id)
+        state, position = shown_state(view, schedule)
         return cls(
             id=view.job_id,
             name=view.name,
-            state="queued" if position is not None else view.state,
+            state=state,
             queue_position=position,
             trainers=schedule.trainers_of(view.job_id),
             submitted_at=view.submitted_at,
