@@ -66,13 +66,13 @@ def test_no_rest_when_disabled_or_for_an_older_steps_contribution() -> None:
     for _ in range(5):
         at = step(c, off, at, 0.5)
     assert off.rest_s(at) == 0.0
-    on = ControlRest(enabled=True)
+    on = ControlRest(enabled=True)  # the default fraction, 0.9
     for version in range(1, 5):
         on.folded(c.closes[version], T0 + version)
         on.folded(contrib("a", version, [batch(1, version)]), T0 + version + 0.5)
     on.folded(c.closes[5], T0 + 5)
     on.folded(contrib("a", 3, [batch(1, 9)]), T0 + 5.01)  # computed on an older version
-    assert on.rest_s(T0 + 5.02) == pytest.approx(0.5 * 0.5 - 0.02)  # still resting
+    assert on.rest_s(T0 + 5.02) == pytest.approx(0.9 * 0.5 - 0.02)  # still resting
 
 
 def test_a_fraction_outside_zero_to_one_is_refused() -> None:

@@ -9,7 +9,7 @@ the trainers compute, on the same cores when the machine is shared. In sync and 
 nothing that changes a step's outcome arrives in that time: the step waits for its members'
 contributions, and a member computes for about as long as it did in the last steps. So after
 each close the reader pauses (:meth:`conveyor.platform.bus.TopicTail.pause`) until ``fraction``
-of the recent close-to-first-contribution intervals' lower quartile has passed, and then
+(0.9) of the recent close-to-first-contribution intervals' lower quartile has passed, and then
 fetches at the short wait as before (the quartile, not the shortest: an epoch's last step, with
 fewer batches, is short, and a job of few steps per epoch would rest little). A contribution
 that comes sooner than that waits at most the rest; heartbeats, eval results and the other
@@ -33,7 +33,7 @@ class ControlRest:
         self,
         *,
         enabled: bool,
-        fraction: float = 0.5,
+        fraction: float = 0.9,
         max_rest_s: float = 1.0,
         min_rest_s: float = 0.02,
         window: int = 8,
