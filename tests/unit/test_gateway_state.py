@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from job_events import job_event
 
-from conveyor.platform.messages import JobEvent, JobResumed
+from conveyor.platform.messages import CoordinatorProgress, JobEvent, JobResumed
 from conveyor.training.jobview import JobsView, percentile
 
 SPEC: dict[str, Any] = {"name": "digits-cnn", "training": {"epochs": 3, "max_steps": None}}
@@ -25,7 +25,7 @@ def submitted(job_id: str, at: float = 1.0, key: str | None = None, **spec: Any)
 
 
 def fold(*events: JobEvent, view: JobsView | None = None) -> JobsView:
-    view = view or JobsView()
+    view = view if view is not None else JobsView()
     for event in events:
         view.apply(event)
     return view
@@ -243,14 +243,48 @@ def test_an_ended_job_keeps_its_stage_percentiles_not_its_windows() -> None:
     assert job.stage_percentiles()["compute"]["last"] == 9.0
 
 
-def test_a_view_that_tracks_no_stages_keeps_no_windows() -> None:
-    view = JobsView(track_stages=False)
+def test_a_view_that_serves_nothing_keeps_no_windows() -> None:
+    view = JobsView(serving=False)
     view.apply(submitted("a"))
     view.apply(ev("a", "progress", worker_id="w", stage_latency_s={"compute": 1.0}, loss=0.5))
     job = view.get("a")
     assert job is not None
     assert job.stage_samples_s == {} and job.stage_percentiles() == {}
     assert job.loss == 0.5 and job.progress()["workers"] == ["w"]  # the rest of the report
+
+
+def test_a_view_that_serves_nothing_lets_an_ended_job_go_of_its_spec_until_a_resume() -> None:
+    served, host = JobsView(), JobsView(serving=False, ended_specs=False)
+    summary = {"steps": 7, "eval_accuracy": 0.9}
+    events = [
+        submitted("a", at=1.0), ev("a", "running", at=2.0, worker_id="w"),
+        ev("a", "progress", at=3.0, worker_id="w", loss=0.5),
+        CoordinatorProgress(job_id="a", at=3.5, version=7, step=7, epoch=1, samples_trained=70,
+                            consumed_batches=7, consumed_train_batches=7, loss=0.4),
+        ev("a", "epoch_completed", at=4.0, epoch=0, version=7, train_loss=0.5, eval_loss=0.4,
+           eval_accuracy=0.9),
+        ev("a", "failed", at=5.0, reason="boom", worker_id="w"),
+    ]  # fmt: skip
+    for event in events:
+        served.apply(event), host.apply(event)
+    kept, ended = served.get("a"), host.get("a")
+    assert kept is not None and ended is not None
+    assert kept.spec == SPEC and list(kept.workers) == ["w"] and kept.coordinator is not None
+    assert ended.spec == {} and ended.workers == {} and ended.coordinator is None
+    assert (ended.state, ended.reason, ended.name) == ("failed", "boom", "digits-cnn")
+    assert ended.epochs == kept.epochs == {0: {"train_loss": 0.5, "eval_loss": 0.4,
+                                              "eval_accuracy": 0.9}}  # fmt: skip
+    assert host.unfinished() == []
+    resumed = JobResumed(job_id="a", spec=SPEC, checkpoint_version=7, incarnation=1, reason="r",
+                         at=6.0)  # fmt: skip
+    host.apply(resumed)
+    assert ended.state == "pending" and ended.spec == SPEC and ended.incarnation == 1
+    assert [job.job_id for job in host.unfinished()] == ["a"]
+    assert summary  # the summary of a completed job is kept: see the test below
+    host.apply(submitted("b", at=7.0))
+    host.apply(ev("b", "completed", at=8.0, worker_id="agg", summary=summary))
+    done = host.get("b")
+    assert done is not None and done.summary == summary and done.spec == {}
 
 
 def test_percentile_interpolates() -> None:

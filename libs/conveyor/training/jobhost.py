@@ -74,6 +74,8 @@ class JobHostService(Service, Generic[Prepared]):
     """Jobs hosted at once (None: every servable job)."""
     publishes_cancelled: ClassVar[bool] = False
     """Publish :class:`JobCancelled` when a job is let go because of a cancel request."""
+    needs_ended_specs: ClassVar[bool] = False
+    """Keep an ended job's spec in :attr:`view` (work done after a job ends needs it)."""
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class JobHostService(Service, Generic[Prepared]):
         self.topics = Topics(kafka.topic_prefix)
         self.worker_id = worker_id
         self.retry_backoff_s = retry_backoff_s
-        self.view = JobsView(track_stages=False)  # nothing here serves them
+        self.view = JobsView(serving=False, ended_specs=self.needs_ended_specs)
         """Every job, folded from the jobs topic."""
         self._reader: JobLogReader | None = None
         self._producer: Producer | None = None
@@ -208,7 +210,7 @@ class JobHostService(Service, Generic[Prepared]):
                 why = "not placed here" if self._servable(job) else job.state if job else "gone"
                 logger.info("job %s: %s; letting it go", job_id, why)
                 task.cancel()
-        for job in reversed(self.view.list(limit=len(self.view) or 1)):  # oldest first
+        for job in reversed(self.view.unfinished()):  # oldest first; an ended job is not kept
             if self.max_jobs is not None and len(self._tasks) >= self.max_jobs:
                 break
             taken = job.job_id in self._tasks or (job.job_id, job.incarnation) in self._finished

@@ -24,8 +24,14 @@ Fold rules (the view dispatches on the event's type):
   trainers' would count every sample twice); rates and data wait still come from the trainers.
 - ``stage_latency_s`` ({stage: seconds}) of each trainer report is kept in a bounded window
   per stage, from which :meth:`JobView.stage_percentiles` computes p50/p90/p99. When the job
-  ends its windows give way to those percentiles (a view holds every job it ever saw); a view
-  built with ``track_stages=False`` (the services that never serve them) keeps no windows.
+  ends its windows give way to those percentiles (a view holds every job it ever saw).
+- A view built with ``serving=False`` (the job hosts and the autoscaler: they never serve a job
+  through the API) keeps no stage windows, and a job that ends there keeps no trainer reports
+  or coordinator totals, and no spec either with ``ended_specs=False`` (every host but the
+  checkpointer, which commits a completed job's final checkpoint after the end), only what
+  says how it ended (state, reason, plan, epochs, summary): a host folds every job of the
+  stack's life, and those parts were most of what an ended job held. A resume brings the spec
+  back from its event.
 - :class:`TrainerPresence` records (keyed by worker, not job) go to the trainer pool
   (:class:`~conveyor.training.scheduling.TrainerPool`); every record moves the pool's clock.
   :meth:`JobsView.schedule` places the pool's trainers on the jobs
@@ -204,13 +210,18 @@ class JobView:
 class JobsView:
     """All jobs, folded from the jobs topic. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, *, stage_window: int = 256, track_stages: bool = True) -> None:
-        """``stage_window``: the latest reports kept per stage while a job runs;
-        ``track_stages`` False keeps none (for the services that never serve them: a view
-        held for months of jobs would otherwise keep every running job's windows)."""
+    def __init__(
+        self, *, stage_window: int = 256, serving: bool = True, ended_specs: bool = True
+    ) -> None:
+        """``stage_window``: the latest reports kept per stage while a job runs; ``serving``
+        False (a service that never serves jobs through the API) keeps no stage windows and
+        lets an ended job go of its reports, and of its spec unless ``ended_specs`` (see the
+        module docstring)."""
         if stage_window < 1:
             raise ValueError("stage_window must be >= 1")
-        self._stage_window = stage_window if track_stages else 0
+        self._serving = serving
+        self._ended_specs = ended_specs
+        self._stage_window = stage_window if serving else 0
         self._jobs: dict[str, JobView] = {}
         self._by_key: dict[str, str] = {}
         self.pool = TrainerPool()
@@ -273,6 +284,10 @@ class JobsView:
         job.updated_at = max(job.updated_at, event.at)
         if job.terminal and job.stage_samples_s:
             job.stage_summary, job.stage_samples_s = job.stage_percentiles(), {}
+        if job.terminal and not self._serving:
+            job.workers, job.coordinator = {}, None
+            if not self._ended_specs:
+                job.spec = {}
         return job
 
     def _resume(self, event: JobResumed) -> JobView | None:
@@ -286,6 +301,7 @@ class JobsView:
             job.seq += 1
         job.state, job.cancel_requested, job.reason = "pending", False, None
         job.plan, job.summary, job.workers = None, None, {}
+        job.spec = event.spec  # the submitted spec; a host's view let it go when the job ended
         job.incarnation = event.incarnation
         job.resumed_from = event.checkpoint_version
         job.updated_at = max(job.updated_at, event.at)

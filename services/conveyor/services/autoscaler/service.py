@@ -88,7 +88,7 @@ class AutoscalerService(Service):
         self.kafka = kafka
         self.topics = Topics(kafka.topic_prefix)
         self.policy = ScalingPolicy(settings.policy())
-        self.view = JobsView(track_stages=False)  # nothing here serves them
+        self.view = JobsView(serving=False, ended_specs=False)  # it serves no job through the API
         self.load = PoolLoad()
         self.decisions: deque[ScalingDecision] = deque(maxlen=_DECISIONS_KEPT)
         """The latest decisions this process published (tests read them; the topic has all)."""

@@ -96,6 +96,7 @@ class CheckpointerService(JobHostService[Prepared]):
     """One checkpointer process."""
 
     name = "checkpointer"
+    needs_ended_specs = True  # a completed job's final checkpoint is committed after its end
 
     def __init__(
         self,
