@@ -80,20 +80,29 @@ def fold(run: Run, messages: Iterable[Message]) -> None:
             run.params.setdefault((message.slice_index, message.version), message)
 
 
-def capture_complete(run: Run) -> bool:
-    """Every version's close and slices, every applied batch and gradient slice was read."""
+def capture_gaps(run: Run) -> list[str]:
+    """What of the finished job was not read yet (empty: every version's close and slices,
+    every applied batch and gradient slice)."""
     versions = range(run.final_version + 1)
-    return (
-        all(v in run.closes for v in versions if v > 0)
-        and all((p, v) in run.params for v in versions for p in range(run.num_slices))
-        and all(b in run.batches for close in run.closes.values() for b in close.batch_ids)
-        and all(
-            (entry.contribution_id, p) in run.grads
-            for entry in run.applied()
-            if entry.num_samples > 0
-            for p in range(run.num_slices)
-        )
-    )
+    closes = [v for v in versions if v > 0 and v not in run.closes]
+    params = [(p, v) for v in versions for p in range(run.num_slices) if (p, v) not in run.params]
+    batches = [b for c in run.closes.values() for b in c.batch_ids if b not in run.batches]
+    grads = [
+        (entry.contribution_id, p)
+        for entry in run.applied()
+        if entry.num_samples > 0
+        for p in range(run.num_slices)
+        if (entry.contribution_id, p) not in run.grads
+    ]
+    named: dict[str, list[Any]] = {
+        "closes": closes,
+        "params": params,
+        "batches": batches,
+        "grads": grads,
+    }
+    return [
+        f"{len(missing)} {kind} (first {missing[0]})" for kind, missing in named.items() if missing
+    ]
 
 
 class Plane:
@@ -147,9 +156,17 @@ class Plane:
                     for into in captured:
                         fold(run, into)
                         into.clear()
-                    if capture_complete(run):
+                    gaps = capture_gaps(run)
+                    if not gaps:
                         break
-                    assert time.monotonic() < deadline, "the topics were not read in time"
+                    ended = {
+                        name.__name__: task.exception()
+                        for name, task in zip(names, following, strict=True)
+                        if task.done() and not task.cancelled()
+                    }
+                    assert time.monotonic() < deadline and not ended, (
+                        f"the topics were not read in time: missing {gaps}; readers ended: {ended}"
+                    )
                     await asyncio.sleep(0.1)
             finally:
                 for task in following:
