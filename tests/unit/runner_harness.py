@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from aiokafka import TopicPartition
 from opentelemetry.context import Context
 
 from conveyor.platform.bus import Received, Tailed
@@ -75,15 +76,21 @@ class FakeProducer:
 class FakeConsumer:
     acked: list[int] = field(default_factory=list)
     in_flight: int = 0
-    partitions: frozenset[tuple[str, int]] = frozenset({(TOPICS.batches(JOB), 0)})
+    partitions: frozenset[TopicPartition] = frozenset({TopicPartition(TOPICS.batches(JOB), 0)})
 
     def ack(self, received: Received) -> None:
         self.acked.append(received.offset)
 
     joined_group: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def assignment(self) -> frozenset[tuple[str, int]]:
+    def assignment(self) -> frozenset[TopicPartition]:
         return self.partitions
+
+    reads: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+    """Partition -> (read position, high-water mark) that :meth:`offsets` reports."""
+
+    def offsets(self, topic: str, partition: int) -> tuple[int | None, int | None]:
+        return self.reads.get(partition, (None, None))
 
     async def joined(self) -> None:
         await self.joined_group.wait()

@@ -74,3 +74,22 @@ def test_records_already_delivered_are_dropped_and_forget_restarts() -> None:
     assert guard.admit(TP, records(6), now_s=0.3) == ([], 5)
     with pytest.raises(ValueError):
         HoleGuard(hold_s=-1)
+
+
+def test_a_hole_at_the_known_position_is_read_again_before_any_record() -> None:
+    # A reader at the end of an idle partition (offset 7) whose first fetch with records
+    # shows 8 before 7: without the position it would start at 8 and 7 would be lost.
+    guard = HoleGuard(hold_s=5.0)
+    assert not guard.expects(TP)
+    guard.expect(TP, 7)
+    assert guard.expects(TP)
+    assert guard.admit(TP, records(8), now_s=0.0) == ([], 7)
+    admitted, hole = guard.admit(TP, records(7, 8), now_s=0.01)
+    assert offsets(admitted) == [7, 8] and hole is None
+    # Records before the position were delivered before it: dropped.
+    guard.expect(TP, 20)
+    assert offsets(guard.admit(TP, records(19, 20), now_s=0.1)[0]) == [20]
+    guard.forget(TP)
+    assert not guard.expects(TP)
+    with pytest.raises(ValueError):
+        guard.expect(TP, -1)

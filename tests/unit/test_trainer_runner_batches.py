@@ -1,7 +1,8 @@
 """The trainer's step loop against a scripted control log and params topic (no broker): which
 batches it computes. Batches of a revoked partition are left to its new owner, redelivered and
 already applied ones are skipped, a micro-batch computed twice is reported twice, a fresh job
-takes no step before its batches group is joined, a sync step waits out a rebalance.
+takes no step before its batches group is joined, a sync step waits out a rebalance, a
+trainer starved of batches says where its reads stand.
 
 The test plays the coordinator and the slice owners: it reads what the runner sends
 (GradSlices, Contributions) from a fake producer and answers with StepCloses, Rejections and
@@ -11,12 +12,14 @@ ParamSlices fed to the runner's log handlers, as its followers would.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from faults import BatchComputedTwice
 from runner_harness import JOB, ME, close, harness, ids
 
 from conveyor.platform.messages import Contribution, sample_ids_tensor
+from conveyor.services.trainer.data import intake as intake_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,3 +103,27 @@ async def test_a_sync_step_waits_out_a_rebalance_instead_of_sending_empty_steps(
         second = h.contributions()[1]
         assert second.base_version == 1 and second.batch_ids == ids(2, 3)
         assert h.runner.figures.empty_contributions == 0
+
+
+async def test_a_starved_trainer_logs_what_is_left_and_where_its_reads_stand(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A read position below the high-water mark: the batches are on the log, not delivered.
+    monkeypatch.setattr(intake_module, "STARVED_WARN_S", 0.3)
+    caplog.set_level(logging.WARNING, logger=intake_module.__name__)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no batch for" in r.getMessage()]
+
+    async with harness("sync", empty_wait_s=0.1) as h:
+        h.consumer.reads = {0: (3, 5)}
+        for version in range(20):
+            h.params(version)
+            await h.producer.wait_for(lambda n=version + 1: len(h.contributions()) == n)
+            if warnings():
+                break
+            assert h.contributions()[-1].batch_ids == []
+            h.log(close(version + 1, h.contributions()[-1:], {ME: 2}))
+    message = warnings()[0]
+    assert "epoch 0 has 10 of 10 train batches left to apply" in message, message
+    assert "{0: (3, 5)}" in message and "'queued_batches': 0" in message, message

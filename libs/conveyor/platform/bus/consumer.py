@@ -368,6 +368,13 @@ class Consumer(AsyncLifecycle):
         return self._consumer
 
     async def _fetch(self, consumer: AIOKafkaConsumer, timeout_ms: int) -> None:
+        for tp in consumer.assignment():
+            # A (re)assigned partition's position, known before its first record arrives, is
+            # where that record must be (HoleGuard.expect).
+            if not self._holes.expects(tp):
+                position = fetch_position(consumer, tp)
+                if position is not None:
+                    self._holes.expect(tp, position)
         try:
             batches = await consumer.getmany(
                 timeout_ms=timeout_ms, max_records=self._in_flight.fetch_budget()

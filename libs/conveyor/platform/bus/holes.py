@@ -44,13 +44,28 @@ class HoleGuard:
             raise ValueError(f"hold_s must be >= 0, got {hold_s}")
         self.hold_s = hold_s
         self._expected: dict[Hashable, int] = {}
-        """Partition -> offset of the next record to deliver (unknown until its first)."""
+        """Partition -> offset of the next record to deliver (unknown until the reader's
+        position or its first record says)."""
         self._opened: dict[Hashable, tuple[int, float]] = {}
         """Partition -> (offset of the open hole, when it was first met)."""
 
     def forget(self, partition: Hashable) -> None:
         """The reader was positioned anew (assignment, seek): start from its next record."""
         self._expected.pop(partition, None)
+        self._opened.pop(partition, None)
+
+    def expects(self, partition: Hashable) -> bool:
+        """Whether the offset of ``partition``'s next record is known."""
+        return partition in self._expected
+
+    def expect(self, partition: Hashable, offset: int) -> None:
+        """The reader's position in ``partition`` is ``offset``: its next record should have
+        it. Without this the first fetch after a (re)positioning sets the start, so a hole
+        right there went unseen: a reader waiting at the end of an idle partition whose first
+        fetch with records showed n+1 before n delivered from n+1 and lost n."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        self._expected[partition] = offset
         self._opened.pop(partition, None)
 
     def admit(

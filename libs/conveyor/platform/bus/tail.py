@@ -137,6 +137,7 @@ class TopicTail(AsyncLifecycle):
                     offset = first if self._start == "beginning" else max(first, ends[tp] - 1)
                 consumer.seek(tp, offset)
                 self._positions[tp.partition] = offset
+                self._holes.expect(tp, offset)
         except KafkaError as exc:
             await consumer.stop()
             raise from_kafka_error(exc, f"reading {self.topic}") from exc

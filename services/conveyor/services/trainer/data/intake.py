@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 _GIVE_UP_POLL_S = 0.02
 """How often :meth:`BatchIntake.receive_unless` asks whether to stop waiting."""
 
+STARVED_WARN_S = 30.0
+"""A trainer that has received no batch for this long while its epoch still has batches to
+train logs where it stands (again after each further period)."""
+
 
 class BatchIntake:
     """The batches of one job delivered to one trainer (see the module docstring)."""
@@ -76,6 +80,9 @@ class BatchIntake:
         self._assigned: frozenset[tuple[str, int]] = frozenset()
         self._waited_once = False
         self._join_awaited = False
+        self._starved_since: float | None = None
+        """Monotonic time of the first empty receive since the last batch (None: fed)."""
+        self._starved_warned_at = 0.0
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Prefetcher]:
@@ -178,7 +185,9 @@ class BatchIntake:
             self._figures.data_waited(waited)
         self._waited_once = True
         if item is None:
+            self._note_starving(time.monotonic())
             return False, waited
+        self._starved_since = None
         self._admit(item)
         self._figures.batches_waiting(held=self.book.held, ready=prefetch.qsize())
         return True, waited
@@ -241,6 +250,32 @@ class BatchIntake:
         owned = consumer.assignment() if consumer is not None else frozenset()
         topic = self._session.plan.batches_topic
         return sorted(tp.partition for tp in owned if tp.topic == topic)
+
+    def _note_starving(self, now: float) -> None:
+        """Log, once per :data:`STARVED_WARN_S` without a batch while the current epoch has
+        train batches left, what this trainer has and where its reads of the batches topic
+        stand: a read position at the high-water mark means nothing more was written (look at
+        the preprocessors and the sharder), one below it a reader that does not get what is
+        there."""
+        if self._starved_since is None:
+            self._starved_since = self._starved_warned_at = now
+            return
+        if now - self._starved_warned_at < STARVED_WARN_S:
+            return
+        self._starved_warned_at = now
+        control, consumer = self._control, self._consumer
+        epoch = control.current_epoch
+        if control.train_done or consumer is None:
+            return
+        topic = self._session.plan.batches_topic
+        reads = {p: consumer.offsets(topic, p) for p in self.partitions()}
+        logger.warning(
+            "job %s: no batch for %.0f s at version %d; epoch %d has %d of %d train batches "
+            "left to apply; here: %s; batches partition -> (read position, high-water): %s",
+            self._session.job_id, now - self._starved_since, control.version, epoch,
+            control.train_left(epoch), self._session.plan.train_batches_per_epoch,
+            self.queues(), reads,
+        )  # fmt: skip
 
     def _admit(self, item: ReadyBatch) -> None:
         self.drop_revoked()
