@@ -15,7 +15,7 @@ not only the gateway.
 Settings (environment): ``CONVEYOR_API_TOKEN`` (the gateway's bearer token, when it has one),
 ``CONVEYOR_LOCUST_SAMPLES`` (samples of each submitted synthetic job, default 64),
 ``CONVEYOR_LOCUST_FOLLOW_S`` (how long a user follows a progress stream, default 1 s).
-tests/e2e/test_locust.py runs a short headless run against the embedded stack.
+tests/e2e/test_e2e_default_stack.py runs a short headless run against the embedded stack.
 """
 
 from __future__ import annotations
