@@ -80,16 +80,21 @@ def test_a_hole_at_the_known_position_is_read_again_before_any_record() -> None:
     # A reader at the end of an idle partition (offset 7) whose first fetch with records
     # shows 8 before 7: without the position it would start at 8 and 7 would be lost.
     guard = HoleGuard(hold_s=5.0)
-    assert not guard.expects(TP)
-    guard.expect(TP, 7)
-    assert guard.expects(TP)
-    assert guard.admit(TP, records(8), now_s=0.0) == ([], 7)
-    admitted, hole = guard.admit(TP, records(7, 8), now_s=0.01)
-    assert offsets(admitted) == [7, 8] and hole is None
+    other = ("grads", 1)
+    positions = {TP: 7, other: None}  # the other partition's position is not known yet
+    guard.expect_positions(positions, positions.get)
+    seeks: list[tuple[tuple[str, int], int]] = []
+    fetched = {TP: records(8), other: records(30, 31)}
+    admitted, holes = guard.admit_fetched(fetched, 0.0, lambda tp, at: seeks.append((tp, at)))
+    assert holes and seeks == [(TP, 7)]
+    assert admitted[TP] == [] and offsets(admitted[other]) == [30, 31]  # its first record sets it
+    guard.expect_positions([TP], lambda _: 99)  # known already: a later position changes nothing
+    admitted, holes = guard.admit_fetched({TP: records(7, 8)}, 0.01, lambda tp, at: None)
+    assert offsets(admitted[TP]) == [7, 8] and not holes
     # Records before the position were delivered before it: dropped.
     guard.expect(TP, 20)
     assert offsets(guard.admit(TP, records(19, 20), now_s=0.1)[0]) == [20]
-    guard.forget(TP)
-    assert not guard.expects(TP)
+    guard.forget(TP)  # unknown again: the first record sets the start
+    assert offsets(guard.admit(TP, records(3), now_s=0.2)[0]) == [3]
     with pytest.raises(ValueError):
         guard.expect(TP, -1)

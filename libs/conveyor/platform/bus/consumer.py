@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import ConsumerStoppedError, KafkaError
@@ -368,13 +369,8 @@ class Consumer(AsyncLifecycle):
         return self._consumer
 
     async def _fetch(self, consumer: AIOKafkaConsumer, timeout_ms: int) -> None:
-        for tp in consumer.assignment():
-            # A (re)assigned partition's position, known before its first record arrives, is
-            # where that record must be (HoleGuard.expect).
-            if not self._holes.expects(tp):
-                position = fetch_position(consumer, tp)
-                if position is not None:
-                    self._holes.expect(tp, position)
+        # A (re)assigned partition's position is where its first record must be.
+        self._holes.expect_positions(consumer.assignment(), partial(fetch_position, consumer))
         try:
             batches = await consumer.getmany(
                 timeout_ms=timeout_ms, max_records=self._in_flight.fetch_budget()
@@ -383,13 +379,9 @@ class Consumer(AsyncLifecycle):
             raise ConsumerStopped(f"consumer of group {self._group_id} stopped") from None
         except KafkaError as exc:
             raise from_kafka_error(exc, f"fetching for group {self._group_id}") from exc
-        holes = False
-        for tp, records in batches.items():
-            admitted, hole = self._holes.admit(tp, records, time.monotonic())
-            self._in_flight.add_fetched(admitted)
-            if hole is not None:  # read it again (see conveyor.platform.bus.holes)
-                consumer.seek(tp, hole)
-                holes = True
+        admitted, holes = self._holes.admit_fetched(batches, time.monotonic(), consumer.seek)
+        for records in admitted.values():
+            self._in_flight.add_fetched(records)
         if holes:
             await asyncio.sleep(HOLE_RETRY_S)
 

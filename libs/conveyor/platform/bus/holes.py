@@ -16,7 +16,7 @@ Pure bookkeeping, no I/O; the caller seeks and waits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class _Record(Protocol):
 
 
 R = TypeVar("R", bound=_Record)
+P = TypeVar("P", bound=Hashable)
 
 
 class HoleGuard:
@@ -54,9 +55,14 @@ class HoleGuard:
         self._expected.pop(partition, None)
         self._opened.pop(partition, None)
 
-    def expects(self, partition: Hashable) -> bool:
-        """Whether the offset of ``partition``'s next record is known."""
-        return partition in self._expected
+    def expect_positions(
+        self, partitions: Iterable[P], position: Callable[[P], int | None]
+    ) -> None:
+        """:meth:`expect` the reader's ``position`` (None: not known yet) of each of
+        ``partitions`` whose next offset is not known (just assigned or repositioned)."""
+        for partition in partitions:
+            if partition not in self._expected and (offset := position(partition)) is not None:
+                self.expect(partition, offset)
 
     def expect(self, partition: Hashable, offset: int) -> None:
         """The reader's position in ``partition`` is ``offset``: its next record should have
@@ -98,3 +104,19 @@ class HoleGuard:
             self._expected[partition] = expected
         self._opened.pop(partition, None)
         return admitted, None
+
+    def admit_fetched(
+        self, fetched: Mapping[P, Sequence[R]], now_s: float, seek: Callable[[P, int], None]
+    ) -> tuple[dict[P, list[R]], bool]:
+        """:meth:`admit` each partition's records of one fetch, calling ``seek(partition,
+        offset)`` for each partition to read again from its open hole. Returns the records to
+        deliver per partition, and whether any hole is open (wait
+        :data:`HOLE_RETRY_S` before fetching again when nothing was delivered)."""
+        admitted: dict[P, list[R]] = {}
+        holes = False
+        for partition, records in fetched.items():
+            admitted[partition], hole = self.admit(partition, records, now_s)
+            if hole is not None:
+                seek(partition, hole)
+                holes = True
+        return admitted, holes

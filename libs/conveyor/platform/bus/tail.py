@@ -163,17 +163,13 @@ class TopicTail(AsyncLifecycle):
         except KafkaError as exc:
             raise from_kafka_error(exc, f"reading {self.topic}") from exc
         out: list[Tailed] = []
-        holes = False
-        for tp, records in batches.items():
-            admitted, hole = self._holes.admit(tp, records, time.monotonic())
-            for record in admitted:
+        admitted, holes = self._holes.admit_fetched(batches, time.monotonic(), consumer.seek)
+        for tp, records in admitted.items():
+            for record in records:
                 tailed = self._decode(record)
                 if tailed is not None:
                     out.append(tailed)
                 self._positions[tp.partition] = record.offset + 1
-            if hole is not None:  # read it again (see conveyor.platform.bus.holes)
-                consumer.seek(tp, hole)
-                holes = True
         if holes and not out:
             await asyncio.sleep(HOLE_RETRY_S)
         return out
