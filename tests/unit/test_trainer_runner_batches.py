@@ -79,10 +79,13 @@ async def test_a_fresh_job_takes_no_step_before_its_batches_group_is_joined() ->
         h.params(0)
         await asyncio.sleep(0.5)  # > empty_contribution_wait_s: it would have sent an empty one
         assert h.contributions() == []
+        assert h.runner.plane.listener.paused  # the plane's readers rest through the join
         h.consumer.joined_group.set()
         h.feed(0, 1)
         await h.producer.wait_for(lambda: len(h.contributions()) == 1)
         assert h.contributions()[0].num_samples == 4  # its first step has the data
+        await asyncio.sleep(0.2)
+        assert not h.runner.plane.listener.paused  # they fetch while it waits for the close
 
 
 async def test_a_sync_step_waits_out_a_rebalance_instead_of_sending_empty_steps() -> None:

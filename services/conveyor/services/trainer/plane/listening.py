@@ -6,8 +6,9 @@ aiokafka (measured on the embedded broker: about 30 ms and 25 ms of CPU per seco
 On a machine shared with preprocessors that is CPU the training does not get. In sync mode
 nothing on the control or params log can change what the trainer does while it gathers and
 computes its contribution (the step it belongs to waits for it), so the trainer pauses both
-readers for that time and resumes them whenever the loop waits on them (a step decision, new
-parameters, an epoch's snapshot). What was written meanwhile is fetched at once on the resume.
+readers for that time (and while a fresh job's batches group joins, before its first step) and
+resumes them whenever the loop waits on them (a step decision, new parameters, an epoch's
+snapshot). What was written meanwhile is fetched at once on the resume.
 Bounded staleness keeps following the logs: whether a step may start depends on how far the
 others got.
 
