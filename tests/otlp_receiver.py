@@ -71,6 +71,7 @@ class OtlpReceiver:
     @property
     def endpoint(self) -> str:
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET address
         return f"http://{host}:{port}"
 
     def __enter__(self) -> OtlpReceiver:

@@ -80,7 +80,9 @@ class PrometheusServer:
     ) -> list[float]:
         """The finite values of ``expr`` evaluated every ``step_s`` from ``start_s`` to
         ``end_s`` (Unix seconds), as a dashboard's graph over that span shows them."""
-        params = {"query": expr, "start": start_s, "end": end_s, "step": step_s}
+        params: dict[str, str | float] = {
+            "query": expr, "start": start_s, "end": end_s, "step": step_s,
+        }  # fmt: skip
         reply = self._client.get("/api/v1/query_range", params=params)
         body = reply.json()
         assert reply.status_code == 200 and body["status"] == "success", (expr, body)

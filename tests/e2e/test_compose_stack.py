@@ -362,7 +362,7 @@ def test_compose_services_train_a_job_through_the_published_gateway_port(
     grace_s = float(compose["x-conveyor-service"]["stop_grace_period"].removesuffix("s"))
     for container in reversed(run.containers):
         os.killpg(container.process.pid, signal.SIGTERM)
-    codes = {}
+    codes: dict[str, int | None] = {}
     for container in run.containers:
         try:
             codes[container.name] = container.process.wait(timeout=grace_s)

@@ -122,8 +122,8 @@ def test_kills_during_checkpoint_writes_never_leave_a_torn_checkpoint_loadable(
     for version in committed:  # a manifest means every file it lists is there, intact
         manifest = checkpoints.read_manifest(version)
         assert [checkpoints.read_slice(f).version for f in manifest.files] == [version] * 2
-    manifest, _, skipped = checkpoints.latest_good()
-    assert manifest is not None and manifest.version == final and not skipped
+    latest, _, skipped = checkpoints.latest_good()
+    assert latest is not None and latest.version == final and not skipped
     torn = [r.version for r in checkpoints.listing() if r.state == "incomplete"]
     print(f"kills: {kills}; committed {committed}; incomplete leftovers {torn}")
     assert torn == []  # leftovers of killed writers are cleared by the next commit's retention
@@ -164,7 +164,11 @@ def kill_everything(stack: RunningStack) -> None:
         if is_alive(process):
             os.kill(process.pid, signal.SIGKILL)
     for process in processes:
-        wait_for(lambda p=process: not is_alive(p), timeout_s=10, what=f"pid {process.pid} gone")
+
+        def gone(p: ProcessInfo = process) -> bool:
+            return not is_alive(p)
+
+        wait_for(gone, timeout_s=10, what=f"pid {process.pid} gone")
     stack.gateway.close()
 
 

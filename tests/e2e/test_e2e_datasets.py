@@ -182,8 +182,10 @@ def test_a_batch_norm_resnet_trains_and_its_export_evaluates_alike(
         (export / name).write_bytes(stack.store().get_bytes(f"jobs/{job['id']}/{name}"))
     model = load_model(export)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert norms and all(not torch.equal(m.running_var, torch.ones_like(m.running_var))
-                         for m in norms)  # fmt: skip
+    assert norms and all(
+        m.running_var is not None and not torch.equal(m.running_var, torch.ones_like(m.running_var))
+        for m in norms
+    )
     dataset = open_dataset(f"imagefolder://{workdir}/data/digits/images")
     assert isinstance(dataset, EncodedDataset)
     eval_ids = np.array(sorted(set(range(DIGITS_SAMPLES)) - stack.train_ids(job)), np.int64)

@@ -262,7 +262,9 @@ def test_prometheus_scrapes_every_service_and_answers_every_dashboard_panel(
         # two scrapes (the preprocessors do a short job's shards within its first seconds) has
         # no value; the panel's histogram must still have been scraped with observations.
         histogram = re.search(r"histogram_quantile\(.*rate\((\w+)_bucket\[", expr)
-        return bool(histogram) and max(during_run(f"sum({histogram[1]}_count)"), default=0) > 0
+        return (
+            histogram is not None and max(during_run(f"sum({histogram[1]}_count)"), default=0) > 0
+        )
 
     panels = json.loads(DASHBOARD.read_text())["panels"]
     empty = [

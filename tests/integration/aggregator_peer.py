@@ -199,7 +199,7 @@ class Peer:
             self.model.zero_grad()
             x, y = self.data(batch_ids)
             loss = F.cross_entropy(self.model(x), y, reduction="sum")
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             num_samples, loss_sum = int(y.numel()), float(loss.detach())
             flat = self.ctx.layout.flatten_grads(self.model)
             decoded, acks = [], []

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from plane_harness import Jobs, follow, running, submit, trainer
+from plane_harness import Jobs, follow, submit, trainer
+from serving import running
 
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.messages import (
+    AppliedContribution,
     Batch,
     Contribution,
     GradSlice,
@@ -58,7 +60,7 @@ class Run:
         """fp32 [N]: the published slices of ``version``, concatenated."""
         return torch.cat([self.params[(p, version)].values for p in range(self.num_slices)])
 
-    def applied(self) -> list[dict[str, Any]]:
+    def applied(self) -> list[AppliedContribution]:
         """Every applied contribution entry of every StepClose, in version order."""
         return [entry for v in sorted(self.closes) for entry in self.closes[v].contributions]
 

@@ -156,8 +156,8 @@ async def job_log(kafka: KafkaSettings) -> AsyncIterator[tuple[Topics, Jobs]]:
 
 async def submit(kafka: KafkaSettings, topics: Topics, job_id: str, spec: dict[str, Any]) -> None:
     async with Producer(kafka) as producer:
-        data = {"spec": JobSpec.from_dict(spec).to_dict(), "idempotency_key": None}
-        message = job_event(job_id, "submitted", **data)
+        data = JobSpec.from_dict(spec).to_dict()
+        message = job_event(job_id, "submitted", spec=data, idempotency_key=None)
         await producer.publish(topics.jobs, message, key=job_id)
 
 

@@ -20,6 +20,7 @@ import torch
 from aggregator_peer import Peer
 from job_events import job_event
 from ledger_check import assert_exactly_once, train_split
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 from serving import running
@@ -40,7 +41,7 @@ from conveyor.services.aggregator.service import AggregatorService
 from conveyor.services.checkpointer.config import CheckpointerSettings
 from conveyor.services.checkpointer.service import CheckpointerService
 from conveyor.training.checkpoint import CheckpointStore, slice_key
-from conveyor.training.datasets import Dataset, open_dataset
+from conveyor.training.datasets import Dataset, open_array_dataset
 from conveyor.training.jobspec import JobSpec
 from conveyor.training.plan import JobPlan
 
@@ -73,12 +74,12 @@ async def submit(kafka: KafkaSettings, spec: dict[str, Any]) -> tuple[JobContext
     """What the gateway and the sharder do: topics, ``submitted``, ``planned``."""
     job_id = f"job{uuid.uuid4().hex[:8]}"
     topics = Topics(kafka.topic_prefix)
-    dataset = open_dataset(spec["dataset"]["uri"])
+    dataset = open_array_dataset(spec["dataset"]["uri"])
     plan = JobPlan.from_spec(job_id, JobSpec.from_dict(spec), dataset.num_samples)
     slices = spec["distribution"]["aggregator_shards"]
     await create_topology(kafka, TopologySettings(jobs_partitions=2))
     await ensure_topics(kafka, topics.job_topic_specs(job_id, batches_partitions=2, slices=slices))
-    planned = {
+    planned: dict[str, Any] = {
         "num_train": plan.num_train, "num_eval": plan.num_eval,
         "num_classes": dataset.num_classes, "sample_shape": list(dataset.sample_shape),
         "train_batches_per_epoch": plan.train_batches_per_epoch,
@@ -335,12 +336,21 @@ def metric(name: str, labels: dict[str, str] | None = None) -> float:
     return REGISTRY.get_sample_value(name, labels or {}) or 0.0
 
 
+def num_samples(span: ReadableSpan) -> int:
+    """An "aggregate" span's ``conveyor.num_samples`` attribute."""
+    assert span.attributes is not None
+    value = span.attributes["conveyor.num_samples"]
+    assert isinstance(value, int), value
+    return value
+
+
 async def ssp_worker(peer: Peer, worker: str, queue: list[str], staleness: int) -> None:
     """Compute on the newest params, at most ``staleness`` contributions unconfirmed."""
     outstanding: dict[str, list[str]] = {}
-    applied = lambda cid: any(  # noqa: E731
-        e.contribution_id == cid for c in peer.closes.values() for e in c.contributions
-    )
+
+    def applied(cid: str) -> bool:
+        return any(e.contribution_id == cid for c in peer.closes.values() for e in c.contributions)
+
     per_epoch = peer.ctx.train_batches_per_epoch
     while peer.applied_in_epoch(0) < per_epoch:
         for cid in list(outstanding):
@@ -401,7 +411,7 @@ async def test_ssp_topk_adam_single_process_matches_replay(
     sends = {s.context.span_id for s in finished if s.name == f"send {prefix}job.{{id}}.grads"}
     aggregates = [s for s in finished if s.name == "aggregate"]
     assert len(aggregates) == 2 * len(peer.closes)
-    nonempty = [s for s in aggregates if s.attributes["conveyor.num_samples"] > 0]
+    nonempty = [s for s in aggregates if num_samples(s) > 0]
     assert nonempty and all(s.parent and s.parent.span_id in sends for s in nonempty)
     inputs = {s.parent.span_id for s in nonempty if s.parent}
     inputs |= {link.context.span_id for s in aggregates for link in s.links}

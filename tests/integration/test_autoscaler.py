@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from job_events import job_event
@@ -91,7 +92,10 @@ async def test_scales_up_a_starving_job_and_down_after_it(kafka_settings: KafkaS
     async with Producer(kafka_settings) as producer:
         trainer = {"worker_id": "trainer-1", "data_wait_ratio": 0.6}
         spec = {"distribution": {"trainers": 3}}
-        for name, fields in [("submitted", {"spec": spec}), ("planned", {}), ("progress", trainer)]:
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("submitted", {"spec": spec}), ("planned", {}), ("progress", trainer),
+        ]  # fmt: skip
+        for name, fields in events:
             await producer.publish(topics.jobs, job_event(JOB, name, **fields), key=JOB)
         # The preprocessor's busy report: the only record on the autoscaler topic, read from there.
         load = PreprocessorLoad(worker_id="preprocessor-1", busy_ratio=0.95, slots=2)

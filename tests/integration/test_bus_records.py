@@ -131,6 +131,7 @@ async def test_trace_context_crosses_a_hop(settings: KafkaSettings) -> None:
     template = f"{settings.topic_prefix}job.{{id}}.batches"  # no job id in a span name
     send, process = spans[f"send {template}"], spans[f"process {template}"]
     for span in (send, process):
+        assert span.attributes is not None
         assert span.attributes["messaging.destination.name"] == topic
         assert span.attributes["messaging.destination.template"] == template
     carried = trace.get_current_span(received.context).get_span_context()

@@ -50,7 +50,7 @@ async def test_replays_follows_and_finds_the_last_records(kafka_settings: KafkaS
             assert whole.caught_up
             in_zero = [r for r in records if r.partition == 0]
             assert [r.offset for r in in_zero] == [0, 1, 2]
-            assert [r.message.state.epoch for r in in_zero] == [0, 1, 2]  # type: ignore[attr-defined]
+            assert [r.message.state.epoch for r in in_zero] == [0, 1, 2]
             await producer.publish(topic, beat("c", 7), partition=2)
             [live] = await drain(whole, 1)  # it keeps following
             assert (live.partition, live.offset) == (2, 0)
@@ -59,7 +59,7 @@ async def test_replays_follows_and_finds_the_last_records(kafka_settings: KafkaS
             records = await drain(last, 3)
             assert sorted((r.partition, r.offset) for r in records) == [(0, 2), (1, 0), (2, 0)]
             found = await last.read_at(0, 1)
-            assert found is not None and found.message.state.epoch == 1  # type: ignore[attr-defined]
+            assert found is not None and found.message.state.epoch == 1
             assert (await last.end_offsets()) == {0: 3, 1: 1, 2: 1}
             with pytest.raises(ValueError, match="no partition 5"):
                 await last.read_at(5, 0)

@@ -61,13 +61,20 @@ async def train(peer: Peer, version: int, until: int, queue: list[str]) -> list[
     allocation); returns the batches left."""
     per_step = peer.ctx.spec.micro_batches_per_step
     for base in range(version, until):
-        await peer.wait_for(lambda v=base: peer.has_params(v))
+
+        def has_params(v: int = base) -> bool:
+            return peer.has_params(v)
+
+        def closed(v: int = base) -> bool:
+            return v + 1 in peer.closes
+
+        await peer.wait_for(has_params)
         close = peer.closes.get(base)
         allocation = close.allocation if close else dict.fromkeys(WORKERS, per_step // 2)
         for worker in sorted(WORKERS):
             take, queue = queue[: allocation[worker]], queue[allocation[worker] :]
             await peer.contribute(worker, base, take)
-        await peer.wait_for(lambda v=base: v + 1 in peer.closes)
+        await peer.wait_for(closed)
     assert not peer.rejections
     return queue
 

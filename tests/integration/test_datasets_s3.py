@@ -9,7 +9,7 @@ import pytest
 
 from conveyor.platform.config import StorageSettings
 from conveyor.platform.storage import open_store
-from conveyor.training.datasets import DatasetError, open_dataset, pack_npz
+from conveyor.training.datasets import DatasetError, open_array_dataset, open_dataset, pack_npz
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def test_pack_open_read_round_trip_on_s3(s3_bucket: str, storage: StorageSetting
     keys = open_store(f"s3://{s3_bucket}/sets/demo", storage).list()
     assert keys == ["manifest.json", *(f"shard-{i:05d}.npz" for i in range(4))]
 
-    ds = open_dataset(result.uri, storage=storage)
+    ds = open_array_dataset(result.uri, storage=storage)
     assert (ds.num_samples, ds.sample_shape, ds.num_classes) == (50, (3, 6, 5), 4)
     ids = [49, 0, 17, 16, 33, 5]
     rx, ry = ds.read(ids)
@@ -59,7 +59,7 @@ def test_replaced_shard_on_s3_is_reported_corrupt(s3_bucket: str, storage: Stora
     pack_npz(x, y, f"s3://{s3_bucket}/d", shard_size=10, storage=storage)
     store = open_store(f"s3://{s3_bucket}/d", storage)
     store.put_bytes("shard-00001.npz", b"not the shard the manifest names")
-    ds = open_dataset(f"npz://s3://{s3_bucket}/d", storage=storage)
+    ds = open_array_dataset(f"npz://s3://{s3_bucket}/d", storage=storage)
     with pytest.raises(DatasetError, match=rf"s3://{s3_bucket}/d/shard-00001\.npz is corrupt"):
         ds.read([15])
     np.testing.assert_array_equal(ds.read([3])[0], x[[3]])

@@ -166,6 +166,8 @@ def assert_stamped_in_order(run: Run) -> None:
         published = max(run.params[(p, c.base_version)].published_at
                         for p in range(run.num_slices))  # fmt: skip
         assert c.params_published_at == published, c.contribution_id
+        assert c.params_received_at is not None and c.started_at is not None, c.contribution_id
+        assert c.params_published_at is not None and c.computed_at is not None, c.contribution_id
         times = [run.closes[c.base_version].closed_at, c.params_published_at,
                  c.params_received_at, c.started_at, c.computed_at, c.sent_at]  # fmt: skip
         assert times == sorted(times), (c.contribution_id, times)

@@ -10,7 +10,8 @@ import asyncio
 from typing import Any, ClassVar
 
 from job_events import job_event
-from plane_harness import job_log, running, telemetry
+from plane_harness import job_log, telemetry
+from serving import running
 
 from conveyor.platform.bus import BusError, Producer
 from conveyor.platform.config import KafkaSettings

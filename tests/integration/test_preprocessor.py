@@ -37,7 +37,7 @@ from conveyor.platform.messages import (
 )
 from conveyor.services.preprocessor.config import PreprocessorSettings
 from conveyor.services.preprocessor.service import PreprocessorService
-from conveyor.training.datasets import open_dataset, pack_npz
+from conveyor.training.datasets import open_array_dataset, pack_npz
 from conveyor.training.plan import JobPlan
 
 DIGITS = "builtin://sklearn-digits"
@@ -213,7 +213,7 @@ async def test_tasks_become_batches_with_traces_and_commits(
     # those of the eval task 4 alternating from 1; the rest by the key's hash.
     tasks[1] = dataclasses.replace(tasks[1], partitions=[1] * 4)
     tasks[4] = dataclasses.replace(tasks[4], partitions=[1, 0, 1, 0])
-    x_all, y_all = open_dataset(DIGITS).read(list(range(1797)))
+    x_all, y_all = open_array_dataset(DIGITS).read(list(range(1797)))
     batches = TopicReader(kafka_settings, topics.batches("job1"))
     async with running(kafka_settings, worker_id="pp-1", load_report_s=0.2), batches as out:
         await publish_tasks(kafka_settings, tasks)

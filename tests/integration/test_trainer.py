@@ -32,10 +32,10 @@ from plane_harness import (
     follow,
     job_log,
     pipeline,
-    running,
     submit,
     trainer,
 )
+from serving import running
 
 from conveyor.platform.bus import Producer, TopicTail, ensure_topics
 from conveyor.platform.bus.tracing import destination_template
@@ -136,7 +136,8 @@ def assert_grad_send_spans(spans: InMemorySpanExporter, batches_topic: str) -> N
         if s.name == f"process {template}" and s.context is not None
     }
     assert processed and all(
-        s.attributes["messaging.destination.name"] == batches_topic for s in processed.values()
+        s.attributes is not None and s.attributes["messaging.destination.name"] == batches_topic
+        for s in processed.values()
     )
     sends = [s for s in finished if s.name == "grad send"]
     assert sends and all(s.parent and s.parent.span_id in processed for s in sends)

@@ -159,6 +159,7 @@ def _sized_images(sizes: list[tuple[int, int]], channels: int = 3) -> list[np.nd
 
 def test_images_of_any_size_reach_the_output_size_deterministically() -> None:
     images = _sized_images([(40, 60), (17, 9), (32, 32), (8, 100)])
+    ops: list[dict[str, Any]]
     ops = [{"name": "random_resized_crop", "scale": [0.3, 1.0]}, {"name": "hflip"},
            {"name": "color_jitter", "brightness": 0.4, "contrast": 0.4, "saturation": 0.4,
             "hue": 0.1}]  # fmt: skip

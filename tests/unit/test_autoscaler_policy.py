@@ -157,7 +157,8 @@ def test_the_pool_load_counts_fresh_reports_of_preprocessors_that_stay() -> None
                    load("b", 0.1, 90)]:  # fmt: skip
         pool.apply(report)
     # c is stale, d left, b's older report read late does not replace its newer one.
-    assert pool.busy(now=100, max_age_s=15) == (pytest.approx(0.7), 2)
+    busy, counted = pool.busy(now=100, max_age_s=15)
+    assert busy == pytest.approx(0.7) and counted == 2
     with pytest.raises(ValueError, match="busy_ratio"):
         load("e", 1.5, 100)
 

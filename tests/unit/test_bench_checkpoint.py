@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -76,10 +78,11 @@ def test_slice_states_hold_adam_state_of_the_asked_size() -> None:
 
 
 def test_the_job_specs_differ_only_in_every_steps() -> None:
-    for make in (
+    makers: list[Callable[[int | None], dict[str, Any]]] = [
         lambda every: bench.digits_spec(epochs=2, every_steps=every),
         lambda every: bench.resnet_spec(n=256, width=8, every_steps=every),
-    ):
+    ]
+    for make in makers:
         with_checkpoints, without = make(50), make(None)
         assert with_checkpoints["checkpoint"]["every_steps"] == 50
         assert without["checkpoint"]["every_steps"] is None

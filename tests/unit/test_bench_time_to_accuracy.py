@@ -28,7 +28,9 @@ def test_ddp_sends_a_ring_all_reduce_per_global_batch_and_plain_nothing() -> Non
 
 
 def test_the_last_line_compares_local_and_sync_with_ddp_and_prefixes_resnet18() -> None:
-    def system(rate: float, tta: float | None, acc: float, per_sample: float) -> dict:
+    def system(
+        rate: float, tta: float | None, acc: float, per_sample: float
+    ) -> dict[str, float | None]:
         return {"samples_per_s": rate, "time_to_accuracy_s": tta, "final_accuracy": acc,
                 "bytes_per_sample": per_sample}  # fmt: skip
 
@@ -49,7 +51,7 @@ def test_the_last_line_compares_local_and_sync_with_ddp_and_prefixes_resnet18() 
 
 
 def test_local_overlap_follows_with_its_own_keys_when_it_ran() -> None:
-    def system(rate: float, tta: float | None, acc: float) -> dict:
+    def system(rate: float, tta: float | None, acc: float) -> dict[str, float | None]:
         return {"samples_per_s": rate, "time_to_accuracy_s": tta, "final_accuracy": acc,
                 "bytes_per_sample": 100.0}  # fmt: skip
 

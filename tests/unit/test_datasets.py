@@ -19,6 +19,7 @@ from conveyor.training.datasets import (
     NpzDataset,
     known_schemes,
     load_arrays,
+    open_array_dataset,
     open_dataset,
     pack_npz,
     pack_source,
@@ -38,7 +39,7 @@ def _labelled_images(
 
 
 def test_sklearn_digits_shape_count_and_scaling() -> None:
-    ds = open_dataset("builtin://sklearn-digits")
+    ds = open_array_dataset("builtin://sklearn-digits")
     assert (ds.num_samples, ds.sample_shape, ds.num_classes) == (1797, (1, 8, 8), 10)
     x, y = ds.read(range(ds.num_samples))
     assert x.dtype == np.uint8 and x.shape == (1797, 1, 8, 8)
@@ -72,7 +73,7 @@ def test_sklearn_digits_without_scikit_learn_names_the_extra(
 
 
 def test_read_keeps_order_and_handles_empty_and_bad_ids() -> None:
-    ds = open_dataset("builtin://sklearn-digits")
+    ds = open_array_dataset("builtin://sklearn-digits")
     x, y = ds.read([10, 3, 10])
     all_x, all_y = ds.read(range(11))
     np.testing.assert_array_equal(x, all_x[[10, 3, 10]])
@@ -120,21 +121,21 @@ def test_known_schemes() -> None:
 
 
 def test_synthetic_defaults_and_determinism_across_groupings() -> None:
-    ds = open_dataset("synthetic://?n=300&seed=3")
+    ds = open_array_dataset("synthetic://?n=300&seed=3")
     assert (ds.num_samples, ds.sample_shape, ds.num_classes) == (300, (3, 32, 32), 10)
     x_all, y_all = ds.read(range(300))
     x_mix, y_mix = ds.read([299, 7, 150, 7])
     np.testing.assert_array_equal(x_mix, x_all[[299, 7, 150, 7]])
     np.testing.assert_array_equal(y_mix, y_all[[299, 7, 150, 7]])
-    again = open_dataset("synthetic://?seed=3&n=300")  # same parameters, another instance
+    again = open_array_dataset("synthetic://?seed=3&n=300")  # same parameters, another instance
     np.testing.assert_array_equal(again.read([42])[0], x_all[[42]])
-    other = open_dataset("synthetic://?n=300&seed=4")
+    other = open_array_dataset("synthetic://?n=300&seed=4")
     assert not np.array_equal(other.read([42])[0], x_all[[42]])
     assert set(y_all.tolist()) == set(range(10))
 
 
 def test_synthetic_is_learnable_by_nearest_class_mean() -> None:
-    ds = open_dataset("synthetic://?n=2000&shape=3x16x16&classes=10&seed=11")
+    ds = open_array_dataset("synthetic://?n=2000&shape=3x16x16&classes=10&seed=11")
     x, y = ds.read(range(2000))
     flat = x.reshape(2000, -1).astype(np.float32)  # [N, 768]
     means = np.stack([flat[:1500][y[:1500] == k].mean(0) for k in range(10)])  # [10, 768]
@@ -147,7 +148,7 @@ def test_synthetic_is_learnable_by_nearest_class_mean() -> None:
 
 
 def test_synthetic_hw_shape_and_cost_ms_burns_cpu() -> None:
-    ds = open_dataset("synthetic://?n=50&shape=8x8&classes=2&cost_ms=10")
+    ds = open_array_dataset("synthetic://?n=50&shape=8x8&classes=2&cost_ms=10")
     assert ds.sample_shape == (1, 8, 8) and ds.num_classes == 2
     start = time.thread_time()
     ds.read(range(10))
@@ -169,21 +170,21 @@ def test_pack_open_read_round_trip(tmp_path: Path) -> None:
     shard_bytes = (tmp_path / "ds" / "shard-00001.npz").read_bytes()
     assert manifest["shards"][1]["sha256"] == hashlib.sha256(shard_bytes).hexdigest()
 
-    ds = open_dataset(result.uri)
+    ds = open_array_dataset(result.uri)
     assert (ds.num_samples, ds.sample_shape, ds.num_classes) == (23, (2, 3, 4), 5)
     ids = [22, 0, 9, 10, 4, 5, 17]
     rx, ry = ds.read(ids)
     np.testing.assert_array_equal(rx, x[ids])
     np.testing.assert_array_equal(ry, y[ids])
     assert ry.dtype == np.int64
-    full_x, _ = open_dataset(f"npz://file://{tmp_path / 'ds'}").read(range(23))
+    full_x, _ = open_array_dataset(f"npz://file://{tmp_path / 'ds'}").read(range(23))
     np.testing.assert_array_equal(full_x, x)
 
 
 def test_pack_hw_images_and_refuses_to_overwrite(tmp_path: Path) -> None:
     x, y = _labelled_images(10, shape=(4, 4))
     pack_npz(x, y, str(tmp_path), shard_size=3, num_classes=7)
-    ds = open_dataset(f"npz://{tmp_path}")
+    ds = open_array_dataset(f"npz://{tmp_path}")
     assert ds.sample_shape == (1, 4, 4) and ds.num_classes == 7
     np.testing.assert_array_equal(ds.read([9])[0][:, 0], x[[9]])
     with pytest.raises(ValueError, match="already holds a dataset"):
@@ -252,7 +253,7 @@ def test_foreign_dataset_with_3d_shards_and_int32_labels(tmp_path: Path) -> None
         sample_shape=[1, 3, 3],
         num_classes=3,
     )
-    rx, ry = open_dataset(f"npz://{tmp_path}").read([3, 0])
+    rx, ry = open_array_dataset(f"npz://{tmp_path}").read([3, 0])
     np.testing.assert_array_equal(rx[:, 0], x[[1, 0]])
     assert ry.tolist() == [2, 1] and ry.dtype == np.int64
 
@@ -260,7 +261,7 @@ def test_foreign_dataset_with_3d_shards_and_int32_labels(tmp_path: Path) -> None
 def test_corrupt_shard_names_the_file(tmp_path: Path) -> None:
     x, y = _labelled_images(10)
     pack_npz(x, y, str(tmp_path), shard_size=5)
-    ds = open_dataset(f"npz://{tmp_path}")
+    ds = open_array_dataset(f"npz://{tmp_path}")
     shard = tmp_path / "shard-00001.npz"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF
@@ -328,7 +329,7 @@ def test_missing_or_unparsable_manifest(tmp_path: Path) -> None:
 def test_bad_shard_contents_fail_on_read(tmp_path: Path, x, y, message: str) -> None:  # type: ignore[no-untyped-def]
     good = (np.zeros((2, 3, 3), np.uint8), np.array([0, 1]))
     _write_raw_dataset(tmp_path, [good, (x, y)], sample_shape=[1, 3, 3], num_classes=2)
-    ds = open_dataset(f"npz://{tmp_path}")  # the first shard is fine, so opening works
+    ds = open_array_dataset(f"npz://{tmp_path}")  # the first shard is fine, so opening works
     with pytest.raises(DatasetError, match=message):
         ds.read([2])
     # ... and the same problem in the first shard fails at open
@@ -403,7 +404,7 @@ def test_idx_round_trip(tmp_path: Path, gz: bool) -> None:
     images = np.random.default_rng(0).integers(0, 256, (7, 5, 6), dtype=np.uint8)
     labels = np.array([0, 3, 1, 3, 2, 0, 1], np.uint8)
     _write_idx(tmp_path, images, labels, gz=gz)
-    ds = open_dataset(f"mnist-idx://{tmp_path}")
+    ds = open_array_dataset(f"mnist-idx://{tmp_path}")
     assert (ds.num_samples, ds.sample_shape, ds.num_classes) == (7, (1, 5, 6), 4)
     x, y = ds.read([6, 1, 3])
     np.testing.assert_array_equal(x[:, 0], images[[6, 1, 3]])
@@ -431,7 +432,7 @@ def test_idx_strict_headers(tmp_path: Path) -> None:
     _write_idx(tmp_path / "gz", images, labels, gz=True)
     gz_path = tmp_path / "gz" / "train-images-idx3-ubyte.gz"
     gz_path.write_bytes(gzip.compress(_idx_bytes(images) + b"junk"))
-    ds = open_dataset(f"mnist-idx://{tmp_path / 'gz'}")  # gz sizes are checked on first read
+    ds = open_array_dataset(f"mnist-idx://{tmp_path / 'gz'}")  # gz sizes are checked on first read
     with pytest.raises(DatasetError, match="header promises 12"):
         ds.read([0])
 
@@ -447,17 +448,17 @@ def test_pack_source_from_npz_npy_and_idx(tmp_path: Path) -> None:
     x, y = _labelled_images(12, shape=(3, 2, 2), classes=4)
     np.savez(tmp_path / "arrays.npz", x=x, y=y)
     result = pack_source(tmp_path / "arrays.npz", str(tmp_path / "a"), shard_size=5)
-    np.testing.assert_array_equal(open_dataset(result.uri).read(range(12))[0], x)
+    np.testing.assert_array_equal(open_array_dataset(result.uri).read(range(12))[0], x)
 
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
     result = pack_source(tmp_path / "x.npy", str(tmp_path / "b"), labels_path=tmp_path / "y.npy")
-    assert open_dataset(result.uri).read([11])[1].tolist() == [y[11]]
+    assert open_array_dataset(result.uri).read([11])[1].tolist() == [y[11]]
 
     images = np.arange(5 * 3 * 3, dtype=np.uint8).reshape(5, 3, 3)
     _write_idx(tmp_path / "idx", images, np.array([0, 1, 0, 1, 9], np.uint8), gz=True)
     result = pack_source(tmp_path / "idx", str(tmp_path / "c"), shard_size=2)
-    ds = open_dataset(result.uri)
+    ds = open_array_dataset(result.uri)
     assert (ds.num_samples, ds.num_classes, len(result.manifest.shards)) == (5, 10, 3)
     np.testing.assert_array_equal(ds.read([4])[0][0, 0], images[4])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -249,7 +250,9 @@ def test_pack_imagefolder_round_trip_and_manifest(tmp_path: Path) -> None:
 # --- parquet --------------------------------------------------------------------------------
 
 
-def _hf_table(images: list[bytes | None], labels: list[int | None], names: int = 10) -> pa.Table:
+def _hf_table(
+    images: Sequence[bytes | None], labels: Sequence[int | None], names: int = 10
+) -> pa.Table:
     image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     table = pa.table(
         {

@@ -17,7 +17,9 @@ def ev(job_id: str, event: str, at: float = 1.0, **data: Any) -> JobEvent:
     return job_event(job_id, event, at=at, **data)
 
 
-WORKER_EVENTS = {"running": {"worker_id": "w0"}, "progress": {"worker_id": "w0"}}
+WORKER_EVENTS: dict[str, dict[str, Any]] = {
+    "running": {"worker_id": "w0"}, "progress": {"worker_id": "w0"},
+}  # fmt: skip
 
 
 def submitted(job_id: str, at: float = 1.0, key: str | None = None, **spec: Any) -> JobEvent:

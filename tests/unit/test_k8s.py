@@ -282,9 +282,8 @@ def test_the_config_is_valid_conveyor_settings_like_the_compose_template(
         monkeypatch.delenv(key)
     for key, value in config.items():
         monkeypatch.setenv(key, value)
-    settings = {
-        "kafka": KafkaSettings(), "storage": StorageSettings(), "telemetry": TelemetrySettings(),
-    }  # fmt: skip
+    storage, telemetry = StorageSettings(), TelemetrySettings()
+    settings = {"kafka": KafkaSettings(), "storage": storage, "telemetry": telemetry}
     # Each variable is a field of these settings: a misspelt one would be ignored silently.
     read = {
         f"CONVEYOR_{group.upper()}_{field.upper()}"
@@ -292,8 +291,8 @@ def test_the_config_is_valid_conveyor_settings_like_the_compose_template(
         for field in model.model_fields_set
     }
     assert read == set(config)
-    assert settings["storage"].uri.startswith("s3://") and settings["storage"].s3_endpoint
-    assert settings["telemetry"].http_host == "0.0.0.0"
+    assert storage.uri.startswith("s3://") and storage.s3_endpoint
+    assert telemetry.http_host == "0.0.0.0"
 
 
 def test_the_autoscaler_may_scale_deployments_in_its_namespace_only(

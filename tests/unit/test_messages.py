@@ -59,9 +59,11 @@ def test_batch_field_specs_follow_the_annotations() -> None:
         "job_id", "batch_id", "shard_id", "epoch", "split", "sample_ids", "x", "y", "timestamps",
     ]  # fmt: skip
     assert specs["x"].kind is FieldKind.TENSOR and specs["y"].kind is FieldKind.TENSOR
-    assert specs["sample_ids"].types == {list} and specs["sample_ids"].item_types == {int}
-    assert specs["timestamps"].types == {dict} and specs["timestamps"].item_types == {float, int}
-    assert specs["epoch"].types == {int} and not specs["epoch"].nested
+    assert specs["sample_ids"].types == frozenset({list})
+    assert specs["sample_ids"].item_types == frozenset({int})
+    assert specs["timestamps"].types == frozenset({dict})
+    assert specs["timestamps"].item_types == frozenset({float, int})
+    assert specs["epoch"].types == frozenset({int}) and not specs["epoch"].nested
     assert schema_for("NoSuchMessage") is None
 
 
@@ -82,14 +84,15 @@ def test_field_specs_of_unions_nesting_and_tensor_dicts() -> None:
     schema = schema_for(Annotated.TYPE)
     assert schema is not None and Annotated.VERSION == 3
     specs = {spec.name: spec for spec in schema.fields}
-    assert specs["maybe_bytes"].types == {bytes, type(None)}
-    assert specs["number"].types == {int, str}
-    assert specs["floats"].item_types == {float, int}
-    assert specs["matrix"].types == {list} and specs["matrix"].item_types is None
+    assert specs["maybe_bytes"].types == frozenset({bytes, type(None)})
+    assert specs["number"].types == frozenset({int, str})
+    assert specs["floats"].item_types == frozenset({float, int})
+    assert specs["matrix"].types == frozenset({list}) and specs["matrix"].item_types is None
     assert specs["matrix"].nested
     assert specs["anything"].types is None and specs["anything"].nested
-    assert specs["config"].types == {dict} and specs["config"].nested
-    assert specs["maybe_ids"].types == {list, type(None)} and specs["maybe_ids"].item_types == {int}
+    assert specs["config"].types == frozenset({dict}) and specs["config"].nested
+    assert specs["maybe_ids"].types == frozenset({list, type(None)})
+    assert specs["maybe_ids"].item_types == frozenset({int})
     assert specs["weights"].kind is FieldKind.TENSOR_DICT
 
 
@@ -206,14 +209,15 @@ def make_batch(**overrides: Any) -> Batch:
 
 def test_batch_checks_its_contract() -> None:
     assert make_batch().x.shape == (2, 1, 4, 4)
-    for overrides, reason in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"split": "test"}, "split"),
         ({"x": torch.zeros(2, 1, 4, 4)}, "x must be uint8"),
         ({"x": torch.zeros(2, 16, dtype=torch.uint8)}, "x must be uint8"),
         ({"y": torch.zeros(2, dtype=torch.int32)}, "y must be int64"),
         ({"y": torch.zeros(3, dtype=torch.int64)}, "y must be int64"),
         ({"sample_ids": [1]}, "1 sample_ids for 2 rows"),
-    ]:
+    ]
+    for overrides, reason in cases:
         with pytest.raises(ValueError, match=reason):
             make_batch(**overrides)
 
@@ -240,13 +244,14 @@ def test_contribution_carries_the_sample_ids_it_was_computed_on() -> None:
         assert received.sample_ids.tolist() == ids  # repeats kept, in order
         assert received.sample_ids.dtype == sent.sample_ids.dtype
     assert contribution(num_samples=0, batch_ids=[], sample_ids=sample_ids_tensor([])).epoch == 1
-    for overrides, reason in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"num_samples": 2}, r"\[num_samples=2\], got torch.int32 \[3\]"),
         ({"sample_ids": torch.tensor([7.0, 7.0, 2.0])}, "int32/int64"),
         ({"sample_ids": torch.zeros(1, 3, dtype=torch.int64)}, "int32/int64"),
         ({"epoch": -1}, "epoch must be >= 0"),
         ({"inner_steps": [2, 0]}, "every inner step has >= 1 pass"),
-    ]:
+    ]
+    for overrides, reason in cases:
         with pytest.raises(ValueError, match=reason):
             contribution(**overrides)
     assert contribution().inner_steps == []  # sync and ssp: one step

@@ -9,7 +9,7 @@ import pytest
 import torch
 from model_plugin import PLUGIN_MODEL, write_plugin
 
-from conveyor.training.datasets import open_dataset
+from conveyor.training.datasets import open_array_dataset
 from conveyor.training.models import build_model, list_models, model_options
 
 
@@ -95,7 +95,7 @@ def test_bad_names_and_options(name: str, kwargs: dict[str, object], message: st
 
 
 def test_small_cnn_learns_digits(one_thread: None) -> None:
-    ds = open_dataset("builtin://sklearn-digits")
+    ds = open_array_dataset("builtin://sklearn-digits")
     x_u8, y_np = ds.read(range(ds.num_samples))
     x = torch.from_numpy(x_u8).float().div_(255.0)  # [1797,1,8,8], normalised like a trainer
     y = torch.from_numpy(y_np)  # [1797]
@@ -109,7 +109,7 @@ def test_small_cnn_learns_digits(one_thread: None) -> None:
             batch = train[start : start + 64]
             loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
             optimizer.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
     with torch.no_grad():
         accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item()

@@ -38,7 +38,7 @@ def test_slices_equal_full_model_optimizer(optimizer: dict[str, Any]) -> None:
         y = torch.randint(0, 10, (16,), generator=generator)
         full.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         for p in model.parameters():
             p.grad.div_(16)  # type: ignore[union-attr]
         grads = layout.flatten_grads(model)

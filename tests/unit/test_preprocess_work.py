@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from conveyor.services.preprocessor.work import (
     process_shard,
     read_shard,
 )
-from conveyor.training.datasets import DatasetError, open_dataset
+from conveyor.training.datasets import DatasetError, open_array_dataset, open_dataset
 
 DIGITS = "builtin://sklearn-digits"
 SYNTHETIC = "synthetic://?n=500&shape=3x16x16&classes=4&seed=1"
@@ -43,6 +44,14 @@ def run(task: ShardTask) -> list[Batch]:
     return process_shard(dataset, task, augmenter_for(task.preprocess)).batches
 
 
+def numpy_of(tensor: torch.Tensor) -> np.ndarray:
+    """A batch's ``x`` or ``y`` as the preprocessors build it: a numpy array, typed as a tensor
+    (see Batch)."""
+    array = cast(object, tensor)
+    assert type(array) is np.ndarray
+    return array
+
+
 def test_batches_ids_shapes_dtypes_and_labels() -> None:
     task = make_task()
     batches = run(task)
@@ -51,15 +60,15 @@ def test_batches_ids_shapes_dtypes_and_labels() -> None:
     ]  # fmt: skip
     assert batch_ids(task) == [b.batch_id for b in batches]
     assert [b.sample_ids for b in batches] == [[5, 900, 17, 1796], [0, 44, 123, 321], [77, 8]]
-    x_all, y_all = open_dataset(DIGITS).read(task.sample_ids)
+    x_all, y_all = open_array_dataset(DIGITS).read(task.sample_ids)
     for k, batch in enumerate(batches):
         rows = slice(4 * k, 4 * k + 4)
         # numpy: the preprocessors never load torch (the codec sends arrays as tensors).
-        assert type(batch.x) is np.ndarray and type(batch.y) is np.ndarray
-        assert batch.x.dtype == np.uint8 and batch.y.dtype == np.int64
-        assert list(batch.x.shape) == [len(batch.sample_ids), 1, 8, 8]
-        assert np.array_equal(batch.x, x_all[rows])  # no augmentation: as read
-        assert batch.y.tolist() == y_all[rows].tolist()
+        x, y = numpy_of(batch.x), numpy_of(batch.y)
+        assert x.dtype == np.uint8 and y.dtype == np.int64
+        assert list(x.shape) == [len(batch.sample_ids), 1, 8, 8]
+        assert np.array_equal(x, x_all[rows])  # no augmentation: as read
+        assert y.tolist() == y_all[rows].tolist()
         assert (batch.job_id, batch.shard_id, batch.epoch, batch.split) == (
             "job1", task.shard_id, 2, "train",
         )  # fmt: skip
@@ -180,7 +189,7 @@ def test_image_files_are_decoded_sized_and_bit_identical_when_redone(tmp_path: P
                      micro_batch_size=2, preprocess=preprocess)  # fmt: skip
     first = run(task)
     assert [b.sample_ids for b in first] == [[11, 0], [5, 7], [2]]
-    assert all(list(b.x.shape[1:]) == [1, 8, 6] and b.x.dtype == np.uint8 for b in first)
+    assert all(list(b.x.shape[1:]) == [1, 8, 6] and numpy_of(b.x).dtype == np.uint8 for b in first)
     assert [b.y.tolist() for b in first] == [[2, 0], [1, 1], [0]]
     # A redelivered task (another process, another time) sends the very same bytes.
     again = run(task)
@@ -228,7 +237,7 @@ def test_token_sequences_become_inputs_and_next_token_targets(tmp_path: Path) ->
     batches = run(task)
     assert [b.sample_ids for b in batches] == [[3, 0], [11, 5], [7]]
     first = batches[0]
-    assert first.x.dtype == np.int32 and first.y.dtype == np.int64
+    assert numpy_of(first.x).dtype == np.int32 and numpy_of(first.y).dtype == np.int64
     assert first.x.tolist() == [list(range(24, 32)), list(range(0, 8))]
     assert first.y.tolist() == [list(range(25, 33)), list(range(1, 9))]
     decoded = decode(encode(first))  # what the wire carries back

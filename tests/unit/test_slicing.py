@@ -130,9 +130,17 @@ def test_state_the_plane_cannot_carry_is_refused() -> None:
     check_buffers(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), "net", spec)
 
 
-def batch_norm_model() -> nn.Module:
+def batch_norm_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(108, 2))
+
+
+def running_statistics(model: nn.Sequential) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running mean and variance of the BatchNorm2d layer of :func:`batch_norm_model`."""
+    bn = model[1]
+    assert isinstance(bn, nn.BatchNorm2d)
+    assert bn.running_mean is not None and bn.running_var is not None
+    return bn.running_mean, bn.running_var
 
 
 def test_statistics_follow_the_parameters_and_are_sent_times_the_samples() -> None:
@@ -147,16 +155,16 @@ def test_statistics_follow_the_parameters_and_are_sent_times_the_samples() -> No
     with pytest.raises(ValueError, match="num_samples"):
         layout.flatten_grads(model)
     sent = layout.flatten_grads(model, 5)
-    bn = model[1]
+    mean, var = running_statistics(model)
     grads = [p.grad.reshape(-1) for p in model.parameters()]  # type: ignore[union-attr]
     assert torch.equal(sent[:params], torch.cat(grads))
-    assert torch.equal(sent[params:], torch.cat([bn.running_mean, bn.running_var]) * 5)
+    assert torch.equal(sent[params:], torch.cat([mean, var]) * 5)
     # the flat vector carries them both ways
     flat = layout.flatten_params(model)
-    assert torch.equal(flat[params:], torch.cat([bn.running_mean, bn.running_var]))
+    assert torch.equal(flat[params:], torch.cat([mean, var]))
     fresh = batch_norm_model()
     layout.load_flat(fresh, flat)
-    assert torch.equal(fresh[1].running_var, bn.running_var)  # type: ignore[index]
+    assert torch.equal(running_statistics(fresh)[1], var)
     # slice-relative ranges: slice [params - 2, params + 4) holds the 3 means from its
     # element 2 and the first variance
     assert layout.statistic_ranges(params - 2, params + 4) == [(2, 5), (5, 6)]

@@ -4,19 +4,21 @@ by the autoscaler)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from conveyor.embedded.report import ComponentStatus, StackReport
 
+Kind = Literal["broker", "store", "service"]
 
-def component(name: str, kind: str, healthy: bool) -> ComponentStatus:
+
+def component(name: str, kind: Kind, healthy: bool) -> ComponentStatus:
     return ComponentStatus(
         name=name, kind=kind, pid=None, alive=None, healthy=healthy, detail="", url=""
     )
 
 
 def report(**health: Any) -> StackReport:
-    kinds = {"broker": "broker", "object store": "store"}
+    kinds: dict[str, Kind] = {"broker": "broker", "object store": "store"}
     components = tuple(
         component(name.replace("_", " "), kinds.get(name.replace("_", " "), "service"), healthy)
         for name, healthy in health.items()

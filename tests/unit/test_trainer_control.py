@@ -296,7 +296,7 @@ def part(index: int, version: int, values: list[float], published_at: float = 0.
 def test_a_version_is_complete_once_every_slice_is_in() -> None:
     params = ParamAssembler([(0, 2), (2, 5)])
     assert params.add(part(1, 0, [3, 4, 5], 7.0), received_at=10.0) is False
-    assert params.version is None and params.received_at is None
+    assert (params.version, params.received_at) == (None, None)
     assert params.add(part(0, 1, [9, 9], 9.0), received_at=11.0) is False
     assert params.add(part(0, 0, [1, 2], 5.0), received_at=12.0) is True
     assert params.version == 0 and params.flat is not None

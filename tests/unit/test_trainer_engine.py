@@ -69,7 +69,7 @@ def test_micro_batches_sum_to_the_gradient_of_the_whole_batch_summed_loss() -> N
     torch.testing.assert_close(dense(parts), whole_grad, rtol=1e-4, atol=1e-5)
     # The gradient is the summed loss's: 12 x the mean loss's.
     mean_model = make_engine().model
-    torch.nn.functional.cross_entropy(mean_model(x.float() / 255.0), y).backward()
+    torch.nn.functional.cross_entropy(mean_model(x.float() / 255.0), y).backward()  # type: ignore[no-untyped-call]
     mean_grad = ParamLayout.from_model(mean_model).flatten_grads(mean_model)
     torch.testing.assert_close(whole_grad, 12 * mean_grad, rtol=1e-4, atol=1e-5)
 

@@ -51,6 +51,13 @@ def close(version: int, batch_ids: list[str]) -> StepClose:
     )  # fmt: skip
 
 
+def next_train(book: BatchBook[Item], log: ControlState) -> Item:
+    """The next batch to train, which the test has put in the book."""
+    item, _ = book.next_train(log)
+    assert item is not None
+    return item
+
+
 def train(arrivals: list[Item], log: ControlState, book: BatchBook[Item]) -> list[list[str]]:
     """A one-trainer sync run: batches are delivered one at a time in ``arrivals`` order; each
     step gathers up to STEP batches from the book (fewer once the rest of the epoch is in
@@ -117,7 +124,7 @@ def test_a_rejected_steps_batches_are_taken_again_first() -> None:
     items = epoch_items(0)
     for item in reversed(items):
         book.admit(item, log)
-    first = [book.next_train(log)[0] for _ in range(STEP)]
+    first = [next_train(book, log) for _ in range(STEP)]
     assert first == items[:STEP]
     book.requeue(first, log)  # the contribution was rejected: recomputed on newer parameters
     assert [book.next_train(log)[0] for _ in range(STEP)] == items[:STEP]

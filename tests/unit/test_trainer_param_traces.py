@@ -44,6 +44,7 @@ def test_a_load_continues_a_sampled_slice_and_links_the_others() -> None:
     assert span.kind == trace.SpanKind.CONSUMER
     assert span.parent is not None and (span.parent.trace_id, span.parent.span_id) == (3, 30)
     assert [(link.context.trace_id, link.context.span_id) for link in span.links] == [(2, 20)]
+    assert span.attributes is not None
     assert span.attributes["messaging.batch.message_count"] == 2
     assert span.attributes["conveyor.version"] == 4
     # Version 3 was forgotten, 4 taken by its load: only 5 is still held.

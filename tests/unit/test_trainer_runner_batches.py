@@ -122,7 +122,11 @@ async def test_a_starved_trainer_logs_what_is_left_and_where_its_reads_stand(
         h.consumer.reads = {0: (3, 5)}
         for version in range(20):
             h.params(version)
-            await h.producer.wait_for(lambda n=version + 1: len(h.contributions()) == n)
+
+            def contributed(n: int = version + 1) -> bool:
+                return len(h.contributions()) == n
+
+            await h.producer.wait_for(contributed)
             if warnings():
                 break
             assert h.contributions()[-1].batch_ids == []
