@@ -1,14 +1,18 @@
-"""When the trainer reports progress (rate limit, changes only) and what its heartbeats carry."""
+"""When the trainer reports progress (rate limit, changes only, an interval that stretches with
+the time on the job) and what its heartbeats carry."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
+import pytest
 from heartbeats import trainer_state
 from job_events import TRAINER_DEFAULTS
 
 from conveyor.platform.messages import Heartbeat, Message, TrainerProgress
+from conveyor.services.trainer.config import TrainerSettings
 from conveyor.services.trainer.reporting.reporter import Reporter
 
 
@@ -36,9 +40,11 @@ def reporter(producer: FakeProducer, state: State) -> Reporter:
         job_id="j1",
         worker_id="w1",
         progress_interval_s=0.5,
+        progress_max_interval_s=5.0,
         heartbeat_interval_s=1.0,
         progress=lambda: {**TRAINER_DEFAULTS, "step": state.step, "samples_trained": state.samples},
         heartbeat=lambda: trainer_state(version=1, samples_per_second=10.0),
+        started_at=10.0,
     )
 
 
@@ -62,6 +68,33 @@ async def test_progress_is_rate_limited_and_sent_only_when_it_changed() -> None:
     first = producer.sent[0]
     assert first[0] == "jobs" and isinstance(first[1], TrainerProgress)
     assert first[1].worker_id == "w1" and first[1].job_id == "j1"
+
+
+async def test_a_long_jobs_progress_comes_less_often_up_to_the_most_interval() -> None:
+    producer, state = FakeProducer(), State()
+    report = reporter(producer, state)  # on the job since t = 10 s
+    assert report.progress_interval_at(10.0 + 20.0) == 0.5  # the first 30 s: the least
+    assert report.progress_interval_at(10.0 + 120.0) == 2.0  # a 60th of the time on the job
+    assert report.progress_interval_at(10.0 + 3600.0) == 5.0  # capped
+    sent_at = []
+    for tick in range(10 * 60):  # an hour in, a step every 0.1 s for a minute
+        now = 10.0 + 3600.0 + tick * 0.1
+        state.step += 1
+        before = len(producer.sent)
+        await report.maybe_send_progress(now)
+        if len(producer.sent) > before:
+            sent_at.append(now)
+    assert len(sent_at) == 12  # one per 5 s, not 120
+    assert all(b - a >= 5.0 - 1e-9 for a, b in itertools.pairwise(sent_at))
+    report.request_progress()
+    await report.maybe_send_progress(now=sent_at[-1] + 0.1)  # an epoch end is not held back
+    assert len(steps_reported(producer)) == 13
+
+
+def test_the_most_interval_is_at_least_the_least() -> None:
+    with pytest.raises(ValueError, match="progress_max_interval_s"):
+        TrainerSettings(progress_interval_s=10.0, progress_max_interval_s=5.0)
+    assert TrainerSettings().progress_max_interval_s == 5.0
 
 
 async def test_heartbeats_go_to_the_control_topic() -> None:

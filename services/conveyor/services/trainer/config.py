@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from conveyor.platform.config import _FileAwareSettings, worker_id_field
@@ -34,6 +34,16 @@ class TrainerSettings(_FileAwareSettings):
     )
     progress_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
         default=0.5, description="Least time between two progress events of a job."
+    )
+    progress_max_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=5.0,
+        description=(
+            "The time between two progress events grows with the time this trainer has been "
+            "on the job (a 60th of it) from progress_interval_s up to this: every service "
+            "replays the jobs topic at start and the embedded broker keeps it in memory, so a "
+            "long job writes ~12 a minute instead of 120. Keep it under the autoscaler's "
+            "signal_max_age_s (15)."
+        ),
     )
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=300)] = Field(
         default=1.0,
@@ -97,3 +107,12 @@ class TrainerSettings(_FileAwareSettings):
         default=20.0,
         description="How long a stop waits for the job's contribution in flight to be sent.",
     )
+
+    @model_validator(mode="after")
+    def _progress_intervals_ordered(self) -> TrainerSettings:
+        if self.progress_max_interval_s < self.progress_interval_s:
+            raise ValueError(
+                f"progress_max_interval_s ({self.progress_max_interval_s}) must be at least "
+                f"progress_interval_s ({self.progress_interval_s})"
+            )
+        return self

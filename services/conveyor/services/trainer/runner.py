@@ -148,6 +148,7 @@ class JobRunner:
             job_id=session.job_id,
             worker_id=settings.worker_id,
             progress_interval_s=settings.progress_interval_s,
+            progress_max_interval_s=settings.progress_max_interval_s,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             progress=self.progress,
             heartbeat=self.heartbeat,
