@@ -161,7 +161,11 @@ def test_synthetic_hw_shape_and_cost_ms_burns_cpu() -> None:
 
 def test_pack_open_read_round_trip(tmp_path: Path) -> None:
     x, y = _labelled_images(23, shape=(2, 3, 4), classes=5)
-    result = pack_npz(x, y, str(tmp_path / "ds"), shard_size=5)
+    reported: list[tuple[int, int]] = []
+    result = pack_npz(
+        x, y, str(tmp_path / "ds"), shard_size=5, progress=lambda *p: reported.append(p)
+    )
+    assert reported == [(5, 23), (10, 23), (15, 23), (20, 23), (23, 23)]  # after each shard
     assert result.uri == f"npz://{tmp_path / 'ds'}"
     assert [s.num_samples for s in result.manifest.shards] == [5, 5, 5, 5, 3]
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())

@@ -213,7 +213,11 @@ def test_pack_imagefolder_round_trip_and_manifest(tmp_path: Path) -> None:
     src = tmp_path / "src"
     written = make_image_folder(src, {"x": 3, "y": 2})
     assert is_image_folder(str(src)) and not is_image_folder(str(tmp_path / "none"))
-    result = pack_imagefolder(str(src), str(tmp_path / "out"), shard_size=2)
+    reported: list[tuple[int, int]] = []
+    result = pack_imagefolder(
+        str(src), str(tmp_path / "out"), shard_size=2, progress=lambda *p: reported.append(p)
+    )
+    assert reported == [(2, 5), (4, 5), (5, 5)]  # the images packed, as the shards fill
     assert result.uri == f"webdataset://{tmp_path}/out/{{000000..000002}}.tar"
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes())
     assert manifest["classes"] == ["x", "y"] and manifest["num_samples"] == 5

@@ -407,14 +407,23 @@ def register(app: typer.Typer) -> None:
         from conveyor.training.datasets.pack_webdataset import is_image_folder, pack_imagefolder
 
         remote = (dest, source.removeprefix("imagefolder://"))
+        bar = tqdm(total=None, unit="sample", desc="packed", file=sys.stderr,
+                   disable=not sys.stderr.isatty())  # fmt: skip
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
         try:
             storage = StorageSettings() if any("s3://" in place for place in remote) else None
             if is_image_folder(source):
                 if labels is not None:
                     raise ValueError("--labels is only for .npy inputs")
                 folder = pack_imagefolder(
-                    source, dest, shard_size=shard_size, storage=storage, overwrite=overwrite
-                )
+                    source, dest, shard_size=shard_size, storage=storage, overwrite=overwrite,
+                    progress=progress,
+                )  # fmt: skip
+                bar.close()
                 Console(stderr=True).print(
                     f"packed {folder.manifest.num_samples} images of "
                     f"{len(folder.manifest.classes)} classes into "
@@ -429,9 +438,12 @@ def register(app: typer.Typer) -> None:
                 shard_size=shard_size,
                 storage=storage,
                 overwrite=overwrite,
+                progress=progress,
             )
         except (ConveyorError, ValueError, OSError) as exc:
+            bar.close()
             _fail(str(exc))
+        bar.close()
         manifest = result.manifest
         Console(stderr=True).print(
             f"packed {manifest.num_samples} samples of shape {list(manifest.sample_shape)} "

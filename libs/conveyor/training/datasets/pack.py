@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from conveyor.training.datasets.location import store_uri_for
 from conveyor.training.datasets.manifest import MANIFEST_FILE, Manifest, ShardEntry
 
 DEFAULT_SHARD_SIZE = 4096
+
+PackProgress = Callable[[int, int], None]
+"""Called as a pack goes: (samples packed so far, samples in all)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -45,6 +49,7 @@ def pack_npz(
     num_classes: int | None = None,
     storage: StorageSettings | None = None,
     overwrite: bool = False,
+    progress: PackProgress | None = None,
 ) -> PackResult:
     """Write ``x`` uint8 ``[N,H,W]``/``[N,C,H,W]`` and ``y`` integer ``[N]`` as npz shards.
 
@@ -52,7 +57,8 @@ def pack_npz(
     options, or when ``dest`` already holds a manifest and not ``overwrite``;
     StorageError (from ``conveyor.platform.storage``) when writing fails. With
     ``overwrite``, shard files of the previous pack that the new manifest does
-    not name are deleted after the manifest is written.
+    not name are deleted after the manifest is written. ``progress`` is called
+    after each shard is written.
     """
     x4 = _check_arrays(x, y)
     labels = np.asarray(y, dtype=np.int64)
@@ -80,6 +86,8 @@ def pack_npz(
                 file=info.key, num_samples=min(shard_size, x4.shape[0] - start), sha256=info.sha256
             )
         )
+        if progress is not None:
+            progress(start + shards[-1].num_samples, int(x4.shape[0]))
     manifest = Manifest(
         num_samples=int(x4.shape[0]),
         num_classes=classes,
@@ -145,6 +153,7 @@ def pack_idx(
     num_classes: int | None = None,
     storage: StorageSettings | None = None,
     overwrite: bool = False,
+    progress: PackProgress | None = None,
 ) -> PackResult:
     """Pack the idx files in ``src_dir`` (see ``idx.py``) into npz shards at ``dest``."""
     source = IdxDataset(f"mnist-idx://{os.fspath(src_dir)}")
@@ -157,6 +166,7 @@ def pack_idx(
         num_classes=source.num_classes if num_classes is None else num_classes,
         storage=storage,
         overwrite=overwrite,
+        progress=progress,
     )
 
 
@@ -169,10 +179,12 @@ def pack_source(
     num_classes: int | None = None,
     storage: StorageSettings | None = None,
     overwrite: bool = False,
+    progress: PackProgress | None = None,
 ) -> PackResult:
     """Pack ``src`` (a directory of idx files, a ``.npz``, or a ``.npy`` plus ``labels_path``).
 
-    ValueError for an unrecognised source; DatasetError for bad idx files.
+    ValueError for an unrecognised source; DatasetError for bad idx files. ``progress``: as
+    :func:`pack_npz`.
     """
     if Path(src).is_dir():
         if labels_path is not None:
@@ -184,6 +196,7 @@ def pack_source(
             num_classes=num_classes,
             storage=storage,
             overwrite=overwrite,
+            progress=progress,
         )
     x, y = load_arrays(src, labels_path)
     return pack_npz(
@@ -194,4 +207,5 @@ def pack_source(
         num_classes=num_classes,
         storage=storage,
         overwrite=overwrite,
+        progress=progress,
     )

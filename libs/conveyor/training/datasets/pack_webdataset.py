@@ -23,6 +23,7 @@ from conveyor.platform.storage import open_store
 from conveyor.training.datasets.idx import IMAGES_NAMES
 from conveyor.training.datasets.imagefolder import ImageFolderDataset
 from conveyor.training.datasets.location import store_uri_for
+from conveyor.training.datasets.pack import PackProgress
 from conveyor.training.datasets.webdataset import MANIFEST_FILE, TarShard, WebDatasetManifest
 
 DEFAULT_SAMPLES_PER_SHARD = 4096
@@ -65,13 +66,15 @@ def pack_imagefolder(
     shard_size: int = DEFAULT_SAMPLES_PER_SHARD,
     storage: StorageSettings | None = None,
     overwrite: bool = False,
+    progress: PackProgress | None = None,
 ) -> WebDatasetPackResult:
     """Pack the image folder ``src`` (a directory, ``imagefolder://<dir or s3 prefix>``) into
     shards at ``dest`` (a directory, ``file://`` or ``s3://``, optionally behind
     ``webdataset://``). ValueError for bad options, a destination holding a manifest (unless
     ``overwrite``) or a source file that cannot be read; DatasetError for a bad source;
     StorageError when writing fails. With ``overwrite``, ``NNNNNN.tar`` shards of an earlier
-    pack that the new manifest does not name are deleted after it is written."""
+    pack that the new manifest does not name are deleted after it is written. ``progress`` is
+    called after each chunk of images read into a shard (and so after each shard written)."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     source_uri = src if src.startswith("imagefolder://") else f"imagefolder://{src}"
@@ -94,6 +97,8 @@ def pack_imagefolder(
                     key = f"{sample.sample_id:08d}"
                     _tar_member(tar, f"{key}.{ext}", sample.data)
                     _tar_member(tar, f"{key}.cls", str(sample.label).encode("ascii"))
+                if progress is not None:
+                    progress(start + min(chunk + _READ_CHUNK, ids.size), source.num_samples)
         info = store.put_bytes(f"{index:06d}.tar", buffer.getbuffer())
         shards.append(TarShard(file=info.key, num_samples=int(ids.size), sha256=info.sha256))
     manifest = WebDatasetManifest(
