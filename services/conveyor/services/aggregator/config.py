@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from conveyor.platform.config import _FileAwareSettings, worker_id_field
+from conveyor.training.cadence import check_progress_intervals
 
 
 class AggregatorSettings(_FileAwareSettings):
@@ -32,6 +33,15 @@ class AggregatorSettings(_FileAwareSettings):
     progress_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
         default=0.5, description="Least time between two coordinator progress events of a job."
     )
+    progress_max_interval_s: Annotated[float, Field(gt=0, le=60)] = Field(
+        default=5.0,
+        description=(
+            "The time between two coordinator progress events grows with the job's age (a 60th "
+            "of it) from progress_interval_s up to this, but stays under a quarter of the "
+            "flow-control lead's worth of consumption, which the sharder releases by (see "
+            "conveyor.training.cadence)."
+        ),
+    )
     max_held_slices: Annotated[int, Field(ge=16, le=1_000_000)] = Field(
         default=4096,
         description=(
@@ -47,3 +57,8 @@ class AggregatorSettings(_FileAwareSettings):
         default=2.0,
         description="Wait before serving a job again after a retriable broker/storage failure.",
     )
+
+    @model_validator(mode="after")
+    def _progress_intervals_ordered(self) -> AggregatorSettings:
+        check_progress_intervals(self.progress_interval_s, self.progress_max_interval_s)
+        return self

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from conveyor.platform.config import _FileAwareSettings, worker_id_field
+from conveyor.training.cadence import check_progress_intervals
 
 
 class TrainerSettings(_FileAwareSettings):
@@ -39,10 +40,9 @@ class TrainerSettings(_FileAwareSettings):
         default=5.0,
         description=(
             "The time between two progress events grows with the time this trainer has been "
-            "on the job (a 60th of it) from progress_interval_s up to this: every service "
-            "replays the jobs topic at start and the embedded broker keeps it in memory, so a "
-            "long job writes ~12 a minute instead of 120. Keep it under the autoscaler's "
-            "signal_max_age_s (15)."
+            "on the job (a 60th of it) from progress_interval_s up to this (see "
+            "conveyor.training.cadence): a long job writes ~12 a minute instead of 120 to the "
+            "jobs topic. Keep it under the autoscaler's signal_max_age_s (15)."
         ),
     )
     heartbeat_interval_s: Annotated[float, Field(gt=0, le=300)] = Field(
@@ -110,9 +110,5 @@ class TrainerSettings(_FileAwareSettings):
 
     @model_validator(mode="after")
     def _progress_intervals_ordered(self) -> TrainerSettings:
-        if self.progress_max_interval_s < self.progress_interval_s:
-            raise ValueError(
-                f"progress_max_interval_s ({self.progress_max_interval_s}) must be at least "
-                f"progress_interval_s ({self.progress_interval_s})"
-            )
+        check_progress_intervals(self.progress_interval_s, self.progress_max_interval_s)
         return self

@@ -3,12 +3,10 @@
 Heartbeats (every ``heartbeat_interval_s``) are the trainer's membership in the job and carry
 the throughput the coordinator allocates micro-batches by. Progress events are this trainer's
 own figures, sent only when something changed (or at once when asked, e.g. at an epoch end) and
-rate-limited: at most one per ``progress_interval_s`` at first, then one per 60th of the time
-the trainer has been on the job, up to ``progress_max_interval_s``. The jobs topic is the
-stack's event log, replayed by every service at start and kept in memory by the embedded broker:
-at a fixed 0.5 s a trainer wrote 7,200 progress events (~4.5 MB) an hour of training. Flow
-control is not the trainers' business any more: the coordinator reports the job's consumed
-batches.
+rate-limited by an interval that grows with the time the trainer has been on the job
+(:mod:`conveyor.training.cadence`: at a fixed 0.5 s a trainer wrote 7,200 progress events,
+~4.5 MB, to the jobs topic per hour of training). Flow control is not the trainers' business
+any more: the coordinator reports the job's consumed batches.
 """
 
 from __future__ import annotations
@@ -23,14 +21,12 @@ from aiokafka.structs import RecordMetadata
 
 from conveyor.platform.bus import Producer
 from conveyor.platform.messages import Heartbeat, JobEvent, TrainerProgress, TrainerState
+from conveyor.training.cadence import progress_interval_s
 
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.1
 """Granularity of the periodic sends."""
-_PROGRESS_STRETCH = 60.0
-"""The progress interval is the time on the job divided by this, within its bounds: 0.5 s for
-the first 30 s, ~140 events from there to 5 min, then one per 5 s (the defaults)."""
 
 Snapshot = Callable[[], dict[str, Any]]
 """The fields of this trainer's next progress event."""
@@ -100,8 +96,11 @@ class Reporter:
 
     def progress_interval_at(self, now: float) -> float:
         """Least seconds between two progress events at ``now`` (monotonic s)."""
-        stretched = (now - self._started_at) / _PROGRESS_STRETCH
-        return min(self._progress_max_interval_s, max(self._progress_interval_s, stretched))
+        return progress_interval_s(
+            now - self._started_at,
+            least_s=self._progress_interval_s,
+            most_s=self._progress_max_interval_s,
+        )
 
     async def send_heartbeat(self, *, leaving: bool = False) -> None:
         """Enqueue a heartbeat with the trainer's state now (``leaving``: its last one)."""
