@@ -8,6 +8,7 @@ import pytest
 
 from conveyor.services.aggregator.config import AggregatorSettings
 from conveyor.training.cadence import (
+    ConsumptionRate,
     check_progress_intervals,
     coordinator_progress_interval_s,
     progress_interval_s,
@@ -37,6 +38,22 @@ def test_the_coordinators_interval_keeps_the_sharder_a_quarter_lead_ahead() -> N
     assert interval(3600.0, 8.0) == 2.0  # a quarter of the lead takes 2 s
     assert interval(3600.0, 1000.0) == 0.5  # never under the least
     assert interval(10.0, 8.0) == 0.5  # a young job: the least, whatever the rate
+
+
+def test_the_rate_is_the_highest_recent_one_that_consumed_anything() -> None:
+    rate = ConsumptionRate(window=3)
+    assert rate.batches_per_s == 0.0  # nothing known yet
+    rate.published(100.0, 0)
+    rate.published(101.0, 20)  # 20 a second
+    rate.published(102.0, 30)  # 10
+    assert rate.batches_per_s == 20.0
+    for t in range(103, 120):
+        rate.published(float(t), 30)  # a long pause: versions without consumption
+    assert rate.batches_per_s == 20.0  # the pause does not stretch the interval
+    rate.published(121.0, 35)
+    rate.published(122.0, 40)
+    rate.published(123.0, 45)  # the window holds only the last three: 5 a second
+    assert rate.batches_per_s == 5.0
 
 
 def test_the_most_interval_may_not_be_under_the_least() -> None:

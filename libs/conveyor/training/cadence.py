@@ -12,6 +12,8 @@ tasks by: they come at least every quarter of the flow-control lead's worth of c
 
 from __future__ import annotations
 
+from collections import deque
+
 PROGRESS_STRETCH = 60.0
 """The interval is the job's age divided by this, within its bounds."""
 
@@ -45,3 +47,27 @@ def check_progress_intervals(least_s: float, most_s: float) -> None:
         raise ValueError(
             f"progress_max_interval_s ({most_s}) must be at least progress_interval_s ({least_s})"
         )
+
+
+class ConsumptionRate:
+    """The job's recent rate of consumption, from the consumed-batches count at each progress
+    event: the highest of the last ``window`` intervals that consumed anything. Intervals that
+    consumed nothing (a pause, steps without data) are left out, so that consumption resuming
+    at full speed is never met by an interval stretched while it paused. Not thread-safe."""
+
+    def __init__(self, window: int = 8) -> None:
+        self._rates: deque[float] = deque(maxlen=window)
+        self._last: tuple[float, int] | None = None
+
+    def published(self, now: float, consumed_batches: int) -> None:
+        """Note a progress event with ``consumed_batches`` at ``now`` (monotonic s)."""
+        if self._last is not None:
+            at, consumed = self._last
+            if now > at and consumed_batches > consumed:
+                self._rates.append((consumed_batches - consumed) / (now - at))
+        self._last = (now, consumed_batches)
+
+    @property
+    def batches_per_s(self) -> float:
+        """0 while no interval consumed anything."""
+        return max(self._rates, default=0.0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,7 @@ from conveyor.services.aggregator.epochs import EpochResult
 from conveyor.services.aggregator.finish import final_params, summarise, write_outputs
 from conveyor.services.aggregator.job import JobContext
 from conveyor.services.aggregator.metrics import AggregatorMetrics, rejection_label
-from conveyor.training.cadence import coordinator_progress_interval_s
+from conveyor.training.cadence import ConsumptionRate, coordinator_progress_interval_s
 from conveyor.training.checkpoint import manifest_key
 
 logger = logging.getLogger(__name__)
@@ -69,11 +68,8 @@ class Leader:
         self._announced: set[int] = set()
         self._progress_at = 0.0
         self._progress_key: tuple[Any, ...] | None = None
-        self._progress_consumed = 0
         self._started_at = time.monotonic()
-        self._rates: deque[float] = deque(maxlen=8)
-        """Batches consumed per second between the last progress events (their highest bounds
-        the interval: a pause in consumption does not stretch it)."""
+        self._rate = ConsumptionRate()
 
     async def decide(self, control_log: TopicTail) -> bool:
         """Decide and publish the rejections and the step close that are due.
@@ -140,11 +136,8 @@ class Leader:
         due = force or now - self._progress_at >= self.interval(now)
         if key == self._progress_key or not due:
             return
-        if self._progress_at > 0 and now > self._progress_at:
-            consumed = c.consumed_batches - self._progress_consumed
-            self._rates.append(max(0, consumed) / (now - self._progress_at))
+        self._rate.published(now, c.consumed_batches)
         self._progress_key, self._progress_at = key, now
-        self._progress_consumed = c.consumed_batches
         await self._publish(CoordinatorProgress(
             job_id=self.ctx.job_id,
             consumed_batches=c.consumed_batches,
@@ -165,7 +158,7 @@ class Leader:
             least_s=self.settings.progress_interval_s,
             most_s=self.settings.progress_max_interval_s,
             lead_batches=self.ctx.spec.flow.max_lead_batches,
-            batches_per_s=max(self._rates, default=0.0),
+            batches_per_s=self._rate.batches_per_s,
         )
 
     async def _epoch_completed(self, result: EpochResult) -> None:
