@@ -404,46 +404,50 @@ def register(app: typer.Typer) -> None:
         CONVEYOR_STORAGE_S3_*."""
         from conveyor.platform.config import StorageSettings
         from conveyor.training.datasets.pack import pack_source
-        from conveyor.training.datasets.pack_webdataset import is_image_folder, pack_imagefolder
+        from conveyor.training.datasets.pack_webdataset import (
+            WebDatasetPackResult,
+            is_image_folder,
+            pack_imagefolder,
+        )
 
         remote = (dest, source.removeprefix("imagefolder://"))
-        bar = tqdm(total=None, unit="sample", desc="packed", file=sys.stderr,
-                   disable=not sys.stderr.isatty())  # fmt: skip
+        folder: WebDatasetPackResult | None = None
+        with tqdm(total=None, unit="sample", desc="packed", file=sys.stderr,
+                  disable=not sys.stderr.isatty()) as bar:  # fmt: skip
 
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
 
-        try:
-            storage = StorageSettings() if any("s3://" in place for place in remote) else None
-            if is_image_folder(source):
-                if labels is not None:
-                    raise ValueError("--labels is only for .npy inputs")
-                folder = pack_imagefolder(
-                    source, dest, shard_size=shard_size, storage=storage, overwrite=overwrite,
-                    progress=progress,
-                )  # fmt: skip
-                bar.close()
-                Console(stderr=True).print(
-                    f"packed {folder.manifest.num_samples} images of "
-                    f"{len(folder.manifest.classes)} classes into "
-                    f"{len(folder.manifest.shards)} tar shard(s)"
-                )
-                print(folder.uri)
-                return
-            result = pack_source(
-                source,
-                dest,
-                labels_path=labels,
-                shard_size=shard_size,
-                storage=storage,
-                overwrite=overwrite,
-                progress=progress,
+            try:
+                storage = StorageSettings() if any("s3://" in place for place in remote) else None
+                if is_image_folder(source):
+                    if labels is not None:
+                        raise ValueError("--labels is only for .npy inputs")
+                    folder = pack_imagefolder(
+                        source, dest, shard_size=shard_size, storage=storage,
+                        overwrite=overwrite, progress=progress,
+                    )  # fmt: skip
+                else:
+                    result = pack_source(
+                        source,
+                        dest,
+                        labels_path=labels,
+                        shard_size=shard_size,
+                        storage=storage,
+                        overwrite=overwrite,
+                        progress=progress,
+                    )
+            except (ConveyorError, ValueError, OSError) as exc:
+                _fail(str(exc))
+        if folder is not None:
+            Console(stderr=True).print(
+                f"packed {folder.manifest.num_samples} images of "
+                f"{len(folder.manifest.classes)} classes into "
+                f"{len(folder.manifest.shards)} tar shard(s)"
             )
-        except (ConveyorError, ValueError, OSError) as exc:
-            bar.close()
-            _fail(str(exc))
-        bar.close()
+            print(folder.uri)
+            return
         manifest = result.manifest
         Console(stderr=True).print(
             f"packed {manifest.num_samples} samples of shape {list(manifest.sample_shape)} "

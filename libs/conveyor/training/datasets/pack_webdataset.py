@@ -74,7 +74,7 @@ def pack_imagefolder(
     ``overwrite``) or a source file that cannot be read; DatasetError for a bad source;
     StorageError when writing fails. With ``overwrite``, ``NNNNNN.tar`` shards of an earlier
     pack that the new manifest does not name are deleted after it is written. ``progress`` is
-    called after each chunk of images read into a shard (and so after each shard written)."""
+    called after each chunk of images read into a shard."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     source_uri = src if src.startswith("imagefolder://") else f"imagefolder://{src}"
