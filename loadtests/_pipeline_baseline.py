@@ -88,6 +88,8 @@ class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
         reduce: bool = True,
     ) -> None:
         self.dataset, self.augmenter, self.seed = dataset, augmenter, seed
+        # Evaluation batches get the deterministic ops only, as the preprocessors give them.
+        self.eval_augmenter = augmenter.for_eval()
         self.numpy_transport, self.channels, self.reduce = numpy_transport, channels, reduce
 
     def __len__(self) -> int:
@@ -99,18 +101,19 @@ class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
     def __getitems__(self, indices: list[tuple[int, int, int]]) -> HostBatch:
         epoch, split = indices[0][0], indices[0][1]
         ids = [index[2] for index in indices]
+        augmenter = self.eval_augmenter if split == EVAL else self.augmenter
         from conveyor.training.datasets import EncodedDataset, EncodedImage
 
         if isinstance(self.dataset, EncodedDataset):
             encoded, _bad = self.dataset.read_encoded(ids)  # the benchmark's files are sound
             images = [EncodedImage.parse(s.data, channels=self.channels) for s in encoded]
             y = np.array([sample.label for sample in encoded], dtype=np.int64)  # [B]
-            x = self.augmenter.apply_encoded(
+            x = augmenter.apply_encoded(
                 images, ids, seed=self.seed, epoch=epoch, reduce=self.reduce
             ).x  # [B,C,H,W]
         else:
             x, y = self.dataset.read(ids)  # [B,C,H,W] uint8, [B] int64
-            x = self.augmenter.apply(x, ids, seed=self.seed, epoch=epoch)
+            x = augmenter.apply(x, ids, seed=self.seed, epoch=epoch)
         x = np.ascontiguousarray(x)
         batch = HostBatch(x, y, epoch, split)
         if self.numpy_transport:

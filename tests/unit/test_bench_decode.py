@@ -12,7 +12,7 @@ from conveyor.platform.messages import ShardTask
 from conveyor.services.preprocessor.work import augmenter_for, process_shard
 from conveyor.training.datasets import open_dataset
 from loadtests.bench_decode import CLASSES, SIDES_PX, decode_spec, write_jpeg_folder
-from loadtests.bench_pipeline import TRAIN, AugmentedImages
+from loadtests._pipeline_baseline import EVAL, TRAIN, AugmentedImages
 
 
 def test_the_baseline_sees_the_preprocessors_pixels(tmp_path: Path) -> None:
@@ -26,14 +26,18 @@ def test_the_baseline_sees_the_preprocessors_pixels(tmp_path: Path) -> None:
     dataset = open_dataset(spec["dataset"]["uri"])
     ids = [7, 0, 11, 3]
     augmenter = augmenter_for(spec["preprocess"])
-    task = ShardTask(
-        job_id="j", shard_id="j:e1:train:00000", epoch=1, index=0, split="train",
-        dataset_uri=spec["dataset"]["uri"], sample_ids=ids, micro_batch_size=4, seed=1,
-        preprocess=spec["preprocess"], released_at=0.0,
-    )  # fmt: skip
-    [sent] = process_shard(dataset, task, augmenter).batches
     baseline = AugmentedImages(dataset, augmenter, 1, numpy_transport=True, channels=3)
-    batch = baseline.__getitems__([(1, TRAIN, i) for i in ids])
-    x, y = batch.tensors()
-    assert list(x.shape) == [4, 3, 64, 64]
-    assert np.array_equal(x.numpy(), sent.x) and y.tolist() == sent.y.tolist()
+    sent_of = {}
+    for split, index in (("train", TRAIN), ("eval", EVAL)):
+        task = ShardTask(
+            job_id="j", shard_id=f"j:e1:{split}:00000", epoch=1, index=0, split=split,
+            dataset_uri=spec["dataset"]["uri"], sample_ids=ids, micro_batch_size=4, seed=1,
+            preprocess=spec["preprocess"], released_at=0.0,
+        )  # fmt: skip
+        [sent] = process_shard(dataset, task, augmenter).batches
+        x, y = baseline.__getitems__([(1, index, i) for i in ids]).tensors()
+        assert list(x.shape) == [4, 3, 64, 64]
+        assert np.array_equal(x.numpy(), sent.x) and y.tolist() == sent.y.tolist()
+        sent_of[split] = sent.x
+    # Evaluation batches are not randomly cropped: the two splits' pixels differ.
+    assert not np.array_equal(sent_of["train"], sent_of["eval"])

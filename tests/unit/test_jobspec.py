@@ -57,7 +57,19 @@ def test_minimal_spec_gets_documented_defaults() -> None:
     assert spec.flow.max_lead_batches == 64
     assert spec.resources.device == "auto"
     assert spec.micro_batches_per_step == 2
-    assert spec.shard_size == 8 * 32
+    assert spec.shard_size == 4 * 32  # the lead of 64 batches holds 16 shard tasks
+
+
+@pytest.mark.parametrize(
+    ("lead", "micro_batches"), [(1, 1), (16, 1), (32, 2), (64, 4), (127, 7), (128, 8), (4096, 8)]
+)
+def test_default_shards_let_the_lead_hold_16_tasks_of_1_to_8_micro_batches(
+    lead: int, micro_batches: int
+) -> None:
+    spec = JobSpec.model_validate(spec_with("flow", {"max_lead_batches": lead}))
+    assert spec.shard_size == micro_batches * spec.training.micro_batch_size
+    given = spec_with("flow", {"max_lead_batches": lead, "shard_size": 96})
+    assert JobSpec.model_validate(given).shard_size == 96  # a set size is kept
 
 
 def test_to_dict_is_json_safe_and_round_trips() -> None:

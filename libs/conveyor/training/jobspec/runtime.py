@@ -56,4 +56,5 @@ class FlowSpec(_Spec):
     max_lead_batches: int = Field(default=64, ge=1, le=1_000_000)
     """How many ready train batches may exist ahead of what the trainers consumed."""
     shard_size: int | None = Field(default=None, ge=1, le=10_000_000)
-    """Samples per shard task; None = 8 * micro_batch_size (see JobSpec.shard_size)."""
+    """Samples per shard task; None = 1 to 8 micro-batches, so the lead holds 16 tasks (see
+    JobSpec.shard_size)."""

@@ -18,6 +18,10 @@ from conveyor.training.jobspec.model import ModelSpec
 from conveyor.training.jobspec.optimization import TrainingSpec
 from conveyor.training.jobspec.runtime import CheckpointSpec, FlowSpec, ResourcesSpec
 
+LEAD_SHARD_TASKS = 16
+"""Shard tasks the default shard size fits in a job's flow-control lead: enough for a pool of
+16 preprocessor slots (processes x ``CONVEYOR_PREPROCESSOR_CONCURRENCY``) to work at once."""
+
 
 class JobSpec(_Spec):
     """A complete, validated job description."""
@@ -135,10 +139,15 @@ class JobSpec(_Spec):
 
     @property
     def shard_size(self) -> int:
-        """Samples per shard task: ``flow.shard_size`` or 8 micro-batches."""
+        """Samples per shard task: ``flow.shard_size``, or by default as many micro-batches
+        (1 to 8) as let the flow-control lead hold ``LEAD_SHARD_TASKS`` tasks: a preprocessor
+        slot works on one whole task and its batches count against the lead from release, so
+        with fewer tasks than slots in the lead some slots sit idle however starved the
+        trainers are (a lead of 64 batches in shards of 8 kept at most 8 slots busy)."""
         if self.flow.shard_size is not None:
             return self.flow.shard_size
-        return 8 * self.training.micro_batch_size
+        batches = min(8, max(1, self.flow.max_lead_batches // LEAD_SHARD_TASKS))
+        return batches * self.training.micro_batch_size
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict that :meth:`from_dict` turns back into an equal spec."""
