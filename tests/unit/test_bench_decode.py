@@ -11,8 +11,8 @@ from PIL import Image
 from conveyor.platform.messages import ShardTask
 from conveyor.services.preprocessor.work import augmenter_for, process_shard
 from conveyor.training.datasets import open_dataset
-from loadtests.bench_decode import CLASSES, SIDES_PX, decode_spec, write_jpeg_folder
 from loadtests._pipeline_baseline import EVAL, TRAIN, AugmentedImages
+from loadtests.bench_decode import CLASSES, SIDES_PX, decode_spec, write_jpeg_folder
 
 
 def test_the_baseline_sees_the_preprocessors_pixels(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_the_baseline_sees_the_preprocessors_pixels(tmp_path: Path) -> None:
     ids = [7, 0, 11, 3]
     augmenter = augmenter_for(spec["preprocess"])
     baseline = AugmentedImages(dataset, augmenter, 1, numpy_transport=True, channels=3)
-    sent_of = {}
+    sent_of: dict[str, np.ndarray] = {}
     for split, index in (("train", TRAIN), ("eval", EVAL)):
         task = ShardTask(
             job_id="j", shard_id=f"j:e1:{split}:00000", epoch=1, index=0, split=split,
@@ -38,6 +38,6 @@ def test_the_baseline_sees_the_preprocessors_pixels(tmp_path: Path) -> None:
         x, y = baseline.__getitems__([(1, index, i) for i in ids]).tensors()
         assert list(x.shape) == [4, 3, 64, 64]
         assert np.array_equal(x.numpy(), sent.x) and y.tolist() == sent.y.tolist()
-        sent_of[split] = sent.x
+        sent_of[split] = np.asarray(sent.x)
     # Evaluation batches are not randomly cropped: the two splits' pixels differ.
     assert not np.array_equal(sent_of["train"], sent_of["eval"])
