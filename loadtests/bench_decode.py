@@ -75,7 +75,9 @@ def write_jpeg_folder(root: Path, *, images: int, seed: int = 0) -> None:
         image.save(folder / f"{index:06d}.jpg", quality=90)
 
 
-def decode_spec(root: Path, *, epochs: int, threads: int) -> dict[str, Any]:
+def decode_spec(
+    root: Path, *, epochs: int, threads: int, max_lead_batches: int = 32
+) -> dict[str, Any]:
     """The benchmark's job on the folder at ``root``."""
     from conveyor.training.jobspec import JobSpec
 
@@ -102,7 +104,7 @@ def decode_spec(root: Path, *, epochs: int, threads: int) -> dict[str, Any]:
             },
             "distribution": {"trainers": 1, "aggregator_shards": 1},
             "resources": {"device": "auto", "threads": threads},
-            "flow": {"max_lead_batches": 32},
+            "flow": {"max_lead_batches": max_lead_batches},
         }
     ).to_dict()
 
@@ -113,6 +115,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 repeat, fewer images")
     parser.add_argument("--images", type=int, default=2048, help="JPEG files written")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--max-lead-batches", type=int, default=32, help="the job's flow.max_lead_batches"
+    )
     add_system_arguments(parser)
     args = parser.parse_args()
     if args.quick:
@@ -126,7 +131,9 @@ def main() -> None:
         root = Path(tmp) / "jpegs"
         write_jpeg_folder(root, images=args.images)
         megabytes = sum(p.stat().st_size for p in root.rglob("*.jpg")) / 2**20
-        spec = decode_spec(root, epochs=args.epochs, threads=args.threads)
+        spec = decode_spec(
+            root, epochs=args.epochs, threads=args.threads, max_lead_batches=args.max_lead_batches
+        )
         warmup = args.warmup_steps
         if warmup is None:
             warmup = max(2, total_steps(spec) // 10)

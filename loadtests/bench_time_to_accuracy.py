@@ -53,6 +53,7 @@ from rich.console import Console
 
 from loadtests._bench_common import ConveyorStack, scale_supported
 from loadtests.bench_aggregation import PlaneWatcher
+from loadtests.plane_hops import median_hops, step_hops
 from loadtests.tta_baselines import run_baselines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,7 +136,7 @@ def baseline_figures(
 
 def run_job(
     stack: ConveyorStack, spec: dict[str, Any], target: float, params: int
-) -> dict[str, float | None]:
+) -> dict[str, Any]:
     """Submit ``spec``, follow it to its end; the figures of the run."""
     from conveyor.cli.client import GatewayClient
     from conveyor.platform.config import KafkaSettings
@@ -173,12 +174,17 @@ def run_job(
     steps = [(at, samples, {workers[c] for c in ids if c in workers})
              for _, at, samples, ids in sorted(watcher.closes)]  # fmt: skip
     rate = steady_rate(steps, int(spec["distribution"]["trainers"]))
+    # Where a version's time went (loadtests.plane_hops; in local mode "compute" is the whole
+    # window: its inner steps and the data waits among them), median ms over the versions.
+    hops = step_hops({v: (at, ids) for v, at, _, ids in watcher.closes}, watcher.stamps)
     return {
         "samples_per_s": rate if rate is not None else float(summary["samples_per_second"]),
         "time_to_accuracy_s": time_to(epochs, target),
         "final_accuracy": float(summary["eval_accuracy"]),
         "bytes_per_sample": sent / samples,
         "versions": int(summary["versions"]),
+        "data_wait_ratio": summary.get("data_wait_ratio"),
+        "hops_ms": {hop: round(1000 * s, 1) for hop, s in median_hops(hops).items()},
     }
 
 
@@ -257,12 +263,15 @@ def main() -> None:
     parser.add_argument("--resnet-epochs", type=int, default=2, help="0: no resnet18 case")
     parser.add_argument("--resnet-target", type=float, default=0.9)
     parser.add_argument("--quick", action="store_true", help="1 small_cnn epoch, no resnet18")
+    parser.add_argument(
+        "--preprocessors", type=int, default=1, help="preprocessor processes of the stack"
+    )
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.resnet_epochs, args.target = 1, 0, 0.5
     cases = case_specs(args)
     params = {case: num_params(spec) for case, (spec, _) in cases.items()}
-    runs: dict[tuple[str, str], list[dict[str, float | None]]] = {}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for repeat in range(args.repeats):
         found = run_baselines({case: spec for case, (spec, _) in cases.items()}, TRAINERS)
         for case, systems in found.items():
@@ -271,7 +280,7 @@ def main() -> None:
                 runs.setdefault((case, system), []).append(measured)
                 ERR.log(f"repeat {repeat + 1} {case} {system}: {measured}")
         stack = ConveyorStack(
-            preprocessors=1,
+            preprocessors=args.preprocessors,
             env={},
             use_scale=scale_supported(),
             scale={"trainer": TRAINERS, "aggregator": SLICES},
