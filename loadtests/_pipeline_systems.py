@@ -222,7 +222,7 @@ def run_conveyor(
         },
         "backlog_max": max((s.backlog for s in watcher.backlog), default=None),
         "backlog_samples": len(watcher.backlog),
-        "max_lead_batches": job_spec.flow.max_lead_batches,
-        "backlog_bound": job_spec.flow.max_lead_batches + shard_batches - 1,
+        "max_lead_batches": job_spec.lead_batches,
+        "backlog_bound": job_spec.lead_batches + shard_batches - 1,
         "stage_latency_s": trainer_events[-1].get("stage_latency_s", {}) if trainer_events else {},
     }

@@ -76,7 +76,7 @@ def write_jpeg_folder(root: Path, *, images: int, seed: int = 0) -> None:
 
 
 def decode_spec(
-    root: Path, *, epochs: int, threads: int, max_lead_batches: int = 32
+    root: Path, *, epochs: int, threads: int, max_lead_batches: int | None = None
 ) -> dict[str, Any]:
     """The benchmark's job on the folder at ``root``."""
     from conveyor.training.jobspec import JobSpec
@@ -104,7 +104,7 @@ def decode_spec(
             },
             "distribution": {"trainers": 1, "aggregator_shards": 1},
             "resources": {"device": "auto", "threads": threads},
-            "flow": {"max_lead_batches": max_lead_batches},
+            "flow": {"max_lead_batches": max_lead_batches},  # None: the job default
         }
     ).to_dict()
 
@@ -116,7 +116,10 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2048, help="JPEG files written")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument(
-        "--max-lead-batches", type=int, default=32, help="the job's flow.max_lead_batches"
+        "--max-lead-batches",
+        type=int,
+        help="the job's flow.max_lead_batches (default: sized by "
+        "the batch's bytes, as for any job)",
     )
     add_system_arguments(parser)
     args = parser.parse_args()

@@ -54,10 +54,10 @@ def test_minimal_spec_gets_documented_defaults() -> None:
     assert spec.distribution.trainers == 1 and spec.distribution.mode == "sync"
     assert spec.distribution.allocation == "adaptive"
     assert spec.distribution.compression.kind == "none"
-    assert spec.flow.max_lead_batches == 64
+    assert spec.flow.max_lead_batches == 128  # no image_size: the batch bytes are not known
     assert spec.resources.device == "auto"
     assert spec.micro_batches_per_step == 2
-    assert spec.shard_size == 4 * 32  # the lead of 64 batches holds 16 shard tasks
+    assert spec.shard_size == 8 * 32  # the lead of 128 batches holds 16 shard tasks
 
 
 @pytest.mark.parametrize(
@@ -70,6 +70,34 @@ def test_default_shards_let_the_lead_hold_16_tasks_of_1_to_8_micro_batches(
     assert spec.shard_size == micro_batches * spec.training.micro_batch_size
     given = spec_with("flow", {"max_lead_batches": lead, "shard_size": 96})
     assert JobSpec.model_validate(given).shard_size == 96  # a set size is kept
+
+
+@pytest.mark.parametrize(
+    ("preprocess", "distribution", "lead"),
+    [
+        ({"image_size": [64, 64], "channels": 3}, {}, 512),  # 384 KiB a batch: at the most
+        ({"image_size": [64, 64], "channels": 1}, {}, 512),
+        ({"image_size": [128, 128]}, {}, 170),  # channels unknown: counted as 3
+        ({"image_size": [224, 224], "channels": 3}, {}, 64),  # 4.6 MiB a batch: the least
+        ({}, {}, 128),  # the images' size is not in the spec
+        ({}, {"mode": "local", "sync_every_steps": 100}, 400),  # two windows of 2 x 100
+        ({}, {"mode": "local", "sync_every_steps": 8, "overlap_steps": 2}, 128),
+    ],
+)
+def test_a_default_lead_holds_256_mib_of_batches_and_two_windows(
+    preprocess: dict[str, Any], distribution: dict[str, Any], lead: int
+) -> None:
+    data = spec_with("preprocess", preprocess)
+    data["distribution"] = distribution
+    spec = JobSpec.model_validate(data)
+    assert spec.flow.max_lead_batches == spec.lead_batches == lead
+    assert JobSpec.from_dict(spec.to_dict()) == spec  # the resolved lead travels with the spec
+    # A lead the spec sets is kept, and still checked against the window.
+    data["flow"] = {"max_lead_batches": 150}
+    if distribution.get("sync_every_steps") == 100:
+        assert "must hold one local-mode window" in str(errors_of(data))
+    else:
+        assert JobSpec.model_validate(data).lead_batches == 150
 
 
 def test_to_dict_is_json_safe_and_round_trips() -> None:

@@ -53,8 +53,10 @@ class ResourcesSpec(_Spec):
 
 
 class FlowSpec(_Spec):
-    max_lead_batches: int = Field(default=64, ge=1, le=1_000_000)
-    """How many ready train batches may exist ahead of what the trainers consumed."""
+    max_lead_batches: int | None = Field(default=None, ge=1, le=1_000_000)
+    """How many ready train batches may exist ahead of what the trainers consumed (the bound
+    on the job's backlog in the broker). None: sized by the batch's bytes, see
+    ``JobSpec.lead_batches`` (a job spec always holds the resolved number)."""
     shard_size: int | None = Field(default=None, ge=1, le=10_000_000)
     """Samples per shard task; None = 1 to 8 micro-batches, so the lead holds 16 tasks (see
     JobSpec.shard_size)."""

@@ -18,6 +18,14 @@ from conveyor.training.jobspec.model import ModelSpec
 from conveyor.training.jobspec.optimization import TrainingSpec
 from conveyor.training.jobspec.runtime import CheckpointSpec, FlowSpec, ResourcesSpec
 
+DEFAULT_LEAD_BYTES = 256 * 2**20
+"""The backlog a job's default flow-control lead allows, in bytes of uint8 image batches."""
+DEFAULT_LEAD_BATCHES_RANGE = (64, 512)
+"""The fewest and most batches of a default lead."""
+UNSIZED_LEAD_BATCHES = 128
+"""The default lead of a job whose batch size in bytes is not known before it is planned (no
+``preprocess.image_size``: builtin, npz, synthetic and token datasets)."""
+
 LEAD_SHARD_TASKS = 16
 """Shard tasks the default shard size fits in a job's flow-control lead: enough for a pool of
 16 preprocessor slots (processes x ``CONVEYOR_PREPROCESSOR_CONCURRENCY``) to work at once."""
@@ -38,7 +46,7 @@ class JobSpec(_Spec):
     distribution: DistributionSpec = Field(default_factory=DistributionSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    flow: FlowSpec = Field(default_factory=FlowSpec)
+    flow: FlowSpec = Field(default_factory=FlowSpec, validate_default=True)
 
     @field_validator("preprocess")
     @classmethod
@@ -81,6 +89,20 @@ class JobSpec(_Spec):
 
     @field_validator("flow")
     @classmethod
+    def _lead_sized_by_bytes(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
+        if flow.max_lead_batches is not None:
+            return flow
+        training, distribution = info.data.get("training"), info.data.get("distribution")
+        lead = default_lead_batches(info.data.get("preprocess"), training)
+        if training is not None and distribution is not None:
+            # A local window's (or a deterministic step's) batches are all released before it
+            # can close: a default lead holds two, so the next one's are decoded meanwhile.
+            steps = (distribution.sync_every_steps or 1) + distribution.overlap_steps
+            lead = max(lead, 2 * steps * (training.global_batch_size // training.micro_batch_size))
+        return flow.model_copy(update={"max_lead_batches": lead})
+
+    @field_validator("flow")
+    @classmethod
     def _shard_holds_whole_batches(cls, flow: FlowSpec, info: ValidationInfo) -> FlowSpec:
         training = info.data.get("training")
         if flow.shard_size is not None and training is not None:
@@ -103,9 +125,11 @@ class JobSpec(_Spec):
         # Overlapped steps take the next window's batches while these wait (no help without).
         steps = distribution.sync_every_steps + distribution.overlap_steps
         window = steps * (training.global_batch_size // training.micro_batch_size)
-        if flow.max_lead_batches < window:
+        lead = flow.max_lead_batches
+        assert lead is not None  # _lead_sized_by_bytes ran first
+        if lead < window:
             raise ValueError(
-                f"max_lead_batches ({flow.max_lead_batches}) must hold one local-mode window: "
+                f"max_lead_batches ({lead}) must hold one local-mode window: "
                 f"(sync_every_steps + overlap_steps) x micro-batches per step = {window}"
             )
         return flow
@@ -119,10 +143,11 @@ class JobSpec(_Spec):
         # A deterministic step waits for all its micro-batches (never sends a partial one),
         # so the sharder's lead must let a whole step's worth be released.
         step = training.global_batch_size // training.micro_batch_size
-        if flow.max_lead_batches < step:
+        lead = flow.max_lead_batches
+        assert lead is not None  # _lead_sized_by_bytes ran first
+        if lead < step:
             raise ValueError(
-                f"max_lead_batches ({flow.max_lead_batches}) must hold one deterministic step: "
-                f"{step} micro-batches"
+                f"max_lead_batches ({lead}) must hold one deterministic step: {step} micro-batches"
             )
         return flow
 
@@ -131,6 +156,12 @@ class JobSpec(_Spec):
         """Whether the job trains a language model on token sequences (``tokens://``): its
         losses are per token, it has a perplexity and no accuracy."""
         return self.dataset.scheme == "tokens"
+
+    @property
+    def lead_batches(self) -> int:
+        """``flow.max_lead_batches`` as resolved when the spec was validated (never None)."""
+        assert self.flow.max_lead_batches is not None  # _lead_sized_by_bytes set it
+        return self.flow.max_lead_batches
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -146,7 +177,7 @@ class JobSpec(_Spec):
         trainers are (a lead of 64 batches in shards of 8 kept at most 8 slots busy)."""
         if self.flow.shard_size is not None:
             return self.flow.shard_size
-        batches = min(8, max(1, self.flow.max_lead_batches // LEAD_SHARD_TASKS))
+        batches = min(8, max(1, self.lead_batches // LEAD_SHARD_TASKS))
         return batches * self.training.micro_batch_size
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,3 +199,18 @@ class JobSpec(_Spec):
         if not isinstance(data, dict):
             raise ValueError("job spec must be a YAML mapping at the top level")
         return cls.model_validate(data)
+
+
+def default_lead_batches(preprocess: PreprocessSpec | None, training: TrainingSpec | None) -> int:
+    """The flow-control lead of a job that sets none: as many micro-batches of uint8 images as
+    fit ``DEFAULT_LEAD_BYTES``, within ``DEFAULT_LEAD_BATCHES_RANGE``; ``UNSIZED_LEAD_BATCHES``
+    when the images' size is not in the spec. The lead must cover what the trainers consume
+    while a consumption report travels to the sharder and the released shards are decoded (a
+    GPU trainer eating 3,000 64x64 images a second starved behind a lead of 32 batches and
+    was fed at 128, see docs/operations.md)."""
+    if preprocess is None or training is None or preprocess.image_size is None:
+        return UNSIZED_LEAD_BATCHES
+    height, width = preprocess.image_size
+    batch_bytes = training.micro_batch_size * (preprocess.channels or 3) * height * width
+    least, most = DEFAULT_LEAD_BATCHES_RANGE
+    return min(most, max(least, DEFAULT_LEAD_BYTES // batch_bytes))

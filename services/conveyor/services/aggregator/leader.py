@@ -157,7 +157,7 @@ class Leader:
             now - self._started_at,
             least_s=self.settings.progress_interval_s,
             most_s=self.settings.progress_max_interval_s,
-            lead_batches=self.ctx.spec.flow.max_lead_batches,
+            lead_batches=self.ctx.spec.lead_batches,
             batches_per_s=self._rate.batches_per_s,
         )
 

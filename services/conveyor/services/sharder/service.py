@@ -274,7 +274,7 @@ class SharderService(Service):
             if job.resume_point is not None:
                 sequence = RemainingSequence(remaining_tasks(plan, job.resume_point))
                 job.consumed_base = batches_done(plan, job.resume_point)
-            job.flow = FlowControl(sequence, max_lead_batches=job.spec.flow.max_lead_batches)
+            job.flow = FlowControl(sequence, max_lead_batches=job.spec.lead_batches)
             logger.info(
                 "job %s: planned %d train / %d eval samples, %d tasks",
                 job.job_id, plan.num_train, plan.num_eval, plan.num_tasks,

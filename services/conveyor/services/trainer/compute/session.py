@@ -76,7 +76,7 @@ def max_in_flight(spec: JobSpec, plan: JobPlanned, settings: TrainerSettings) ->
     staleness = spec.distribution.staleness if spec.distribution.mode == "ssp" else 0
     window = spec.distribution.sync_every_steps or 1  # local mode: H steps per contribution
     return (
-        spec.flow.max_lead_batches
+        spec.lead_batches
         + shard_batches
         + plan.eval_batches_per_epoch
         + (staleness + 2) * window * spec.micro_batches_per_step
