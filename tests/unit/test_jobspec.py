@@ -54,10 +54,10 @@ def test_minimal_spec_gets_documented_defaults() -> None:
     assert spec.distribution.trainers == 1 and spec.distribution.mode == "sync"
     assert spec.distribution.allocation == "adaptive"
     assert spec.distribution.compression.kind == "none"
-    assert spec.flow.max_lead_batches == 128  # no image_size: the batch bytes are not known
+    assert spec.flow.max_lead_batches == 64  # no image_size: the batch bytes are not known
     assert spec.resources.device == "auto"
     assert spec.micro_batches_per_step == 2
-    assert spec.shard_size == 8 * 32  # the lead of 128 batches holds 16 shard tasks
+    assert spec.shard_size == 4 * 32  # the lead of 64 batches holds 16 shard tasks
 
 
 @pytest.mark.parametrize(
@@ -79,9 +79,10 @@ def test_default_shards_let_the_lead_hold_16_tasks_of_1_to_8_micro_batches(
         ({"image_size": [64, 64], "channels": 1}, {}, 512),
         ({"image_size": [128, 128]}, {}, 170),  # channels unknown: counted as 3
         ({"image_size": [224, 224], "channels": 3}, {}, 64),  # 4.6 MiB a batch: the least
-        ({}, {}, 128),  # the images' size is not in the spec
+        ({}, {}, 64),  # the images' size is not in the spec
         ({}, {"mode": "local", "sync_every_steps": 100}, 400),  # two windows of 2 x 100
-        ({}, {"mode": "local", "sync_every_steps": 8, "overlap_steps": 2}, 128),
+        ({}, {"mode": "local", "sync_every_steps": 8, "overlap_steps": 2}, 64),
+        ({}, {"mode": "local", "sync_every_steps": 20}, 80),
     ],
 )
 def test_a_default_lead_holds_256_mib_of_batches_and_two_windows(

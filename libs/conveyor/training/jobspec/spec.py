@@ -22,9 +22,11 @@ DEFAULT_LEAD_BYTES = 256 * 2**20
 """The backlog a job's default flow-control lead allows, in bytes of uint8 image batches."""
 DEFAULT_LEAD_BATCHES_RANGE = (64, 512)
 """The fewest and most batches of a default lead."""
-UNSIZED_LEAD_BATCHES = 128
+UNSIZED_LEAD_BATCHES = 64
 """The default lead of a job whose batch size in bytes is not known before it is planned (no
-``preprocess.image_size``: builtin, npz, synthetic and token datasets)."""
+``preprocess.image_size``: builtin, npz, synthetic and token datasets): the lead before the
+default was sized by bytes. Not more: a lead longer than an epoch lets the preprocessors take
+the next epoch's tasks before this epoch's eval tasks, and these datasets are often small."""
 
 LEAD_SHARD_TASKS = 16
 """Shard tasks the default shard size fits in a job's flow-control lead: enough for a pool of
