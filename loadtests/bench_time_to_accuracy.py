@@ -37,6 +37,10 @@ then, with --overlap: "local_overlap_vs_ddp_samples_per_s", "local_overlap_vs_lo
 
     .venv/bin/python -m loadtests.bench_time_to_accuracy              # 1 repeat
     .venv/bin/python -m loadtests.bench_time_to_accuracy --quick      # smoke run
+
+Each Conveyor run's log line also has the trainers' data wait and ``hops_ms``, where a version's
+time went (``loadtests.plane_hops``); ``--max-lead-batches N`` sets the jobs' flow-control
+lead, ``--preprocessors N`` the stack's preprocessors.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def case_specs(args: argparse.Namespace) -> dict[str, tuple[dict[str, Any], floa
     digits["distribution"].update(trainers=TRAINERS, aggregator_shards=SLICES, mode="sync")
     digits["resources"] = {"device": "cpu", "threads": 1}
     digits["checkpoint"] = {"keep_last": 1}
+    if args.max_lead_batches is not None:
+        digits["flow"] = {"max_lead_batches": args.max_lead_batches}
     cases = {"small_cnn": (JobSpec.from_dict(digits).to_dict(), args.target)}
     if args.resnet_epochs > 0:
         resnet = JobSpec.from_yaml(f"""
@@ -91,7 +97,11 @@ distribution: {{trainers: {TRAINERS}, aggregator_shards: {SLICES}, mode: sync}}
 checkpoint: {{keep_last: 1}}
 resources: {{device: cpu, threads: 1}}
 """)
-        cases["resnet18"] = (resnet.to_dict(), args.resnet_target)
+        resnet_spec = resnet.to_dict()
+        if args.max_lead_batches is not None:
+            resnet_spec["flow"] = {"max_lead_batches": args.max_lead_batches}
+            resnet_spec = JobSpec.from_dict(resnet_spec).to_dict()
+        cases["resnet18"] = (resnet_spec, args.resnet_target)
     return cases
 
 
@@ -265,6 +275,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 small_cnn epoch, no resnet18")
     parser.add_argument(
         "--preprocessors", type=int, default=1, help="preprocessor processes of the stack"
+    )
+    parser.add_argument(
+        "--max-lead-batches",
+        type=int,
+        help="the Conveyor jobs' flow.max_lead_batches (default: the job default)",
     )
     args = parser.parse_args()
     if args.quick:
