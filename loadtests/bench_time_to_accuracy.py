@@ -81,6 +81,11 @@ def case_specs(args: argparse.Namespace) -> dict[str, tuple[dict[str, Any], floa
     if args.max_lead_batches is not None:
         digits["flow"] = {"max_lead_batches": args.max_lead_batches}
     cases = {"small_cnn": (JobSpec.from_dict(digits).to_dict(), args.target)}
+    lead = (
+        ""
+        if args.max_lead_batches is None
+        else f"flow: {{max_lead_batches: {args.max_lead_batches}}}"
+    )
     if args.resnet_epochs > 0:
         resnet = JobSpec.from_yaml(f"""
 name: bench-tta-resnet18
@@ -96,12 +101,9 @@ training:
 distribution: {{trainers: {TRAINERS}, aggregator_shards: {SLICES}, mode: sync}}
 checkpoint: {{keep_last: 1}}
 resources: {{device: cpu, threads: 1}}
+{lead}
 """)
-        resnet_spec = resnet.to_dict()
-        if args.max_lead_batches is not None:
-            resnet_spec["flow"] = {"max_lead_batches": args.max_lead_batches}
-            resnet_spec = JobSpec.from_dict(resnet_spec).to_dict()
-        cases["resnet18"] = (resnet_spec, args.resnet_target)
+        cases["resnet18"] = (resnet.to_dict(), args.resnet_target)
     return cases
 
 

@@ -99,8 +99,7 @@ class JobSpec(_Spec):
         if training is not None and distribution is not None:
             # A local window's (or a deterministic step's) batches are all released before it
             # can close: a default lead holds two, so the next one's are decoded meanwhile.
-            steps = (distribution.sync_every_steps or 1) + distribution.overlap_steps
-            lead = max(lead, 2 * steps * (training.global_batch_size // training.micro_batch_size))
+            lead = max(lead, 2 * window_batches(training, distribution))
         return flow.model_copy(update={"max_lead_batches": lead})
 
     @field_validator("flow")
@@ -125,8 +124,7 @@ class JobSpec(_Spec):
         # A window's batches are acknowledged only once its outer step closes, so the
         # sharder's lead must let one window's worth be released at a time.
         # Overlapped steps take the next window's batches while these wait (no help without).
-        steps = distribution.sync_every_steps + distribution.overlap_steps
-        window = steps * (training.global_batch_size // training.micro_batch_size)
+        window = window_batches(training, distribution)
         lead = flow.max_lead_batches
         assert lead is not None  # _lead_sized_by_bytes ran first
         if lead < window:
@@ -201,6 +199,13 @@ class JobSpec(_Spec):
         if not isinstance(data, dict):
             raise ValueError("job spec must be a YAML mapping at the top level")
         return cls.model_validate(data)
+
+
+def window_batches(training: TrainingSpec, distribution: DistributionSpec) -> int:
+    """Micro-batches (all trainers together) that one contribution round takes: a local-mode
+    window of ``sync_every_steps + overlap_steps`` steps, else one step."""
+    steps = (distribution.sync_every_steps or 1) + distribution.overlap_steps
+    return steps * (training.global_batch_size // training.micro_batch_size)
 
 
 def default_lead_batches(preprocess: PreprocessSpec | None, training: TrainingSpec | None) -> int:
