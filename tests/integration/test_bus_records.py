@@ -178,6 +178,43 @@ async def test_backpressure_pauses_at_max_in_flight(settings: KafkaSettings) -> 
         assert consumer.in_flight == 1
 
 
+async def deliveries(consumer: Consumer, count: int) -> list[str]:
+    """The names of the next ``count`` records, each acked before the next get."""
+    names = []
+    for _ in range(count):
+        received = await asyncio.wait_for(consumer.get(), 15)
+        names.append(received.message.reason)  # type: ignore[attr-defined]
+        consumer.ack(received)
+    return names
+
+
+async def test_oldest_first_delivers_across_partitions_in_the_order_produced(
+    settings: KafkaSettings,
+) -> None:
+    # Each partition's records are spread over the sequence, as the sharder spreads an epoch's
+    # tasks; the client hands one partition's fetched records over before the next's.
+    topic = Topics(settings.topic_prefix).shards
+    await create(settings, TopicSpec(topic, partitions=4))
+    partitions = [0, 0, 0, 1, 1, 2, 0, 3, 3, 1, 2, 2]
+    async with Producer(settings) as producer:
+        for index, partition in enumerate(partitions):
+            await (await producer.send(topic, event(index), partition=partition))
+            await asyncio.sleep(0.003)  # record timestamps are in milliseconds
+    produced = [f"e{i}" for i in range(len(partitions))]
+
+    async with Consumer(
+        settings, [topic], group_id=group(settings, "oldest"), max_in_flight=1, oldest_first=True
+    ) as consumer:
+        assert await deliveries(consumer, len(partitions)) == produced
+    # The same log read in the client's order is not the produced order: the check above
+    # tells the orders apart.
+    async with Consumer(
+        settings, [topic], group_id=group(settings, "fetch-order"), max_in_flight=1
+    ) as consumer:
+        fetch_order = await deliveries(consumer, len(partitions))
+    assert sorted(fetch_order) == sorted(produced) and fetch_order != produced
+
+
 async def test_resting_sends_no_fetches_and_loses_nothing(
     settings: KafkaSettings, fetch_requests: Callable[[], int]
 ) -> None:

@@ -257,6 +257,36 @@ async def test_tasks_become_batches_with_traces_and_commits(
         assert "shard read" in names
 
 
+async def test_tasks_are_taken_in_the_order_released_across_partitions(
+    kafka_settings: KafkaSettings,
+) -> None:
+    # Two epochs released at once (a lead of more than an epoch) over four partitions: the
+    # epochs' train and eval tasks must come out in release order, not a partition at a time.
+    topics = Topics(kafka_settings.topic_prefix)
+    await create_topology(kafka_settings, TopologySettings(shards_partitions=4))
+    await ensure_topics(kafka_settings, [TopicSpec(topics.batches("job1"), partitions=2)])
+    plan = JobPlan(job_id="job1", num_samples=1797, eval_fraction=0.2, seed=4, epochs=2,
+                   micro_batch_size=16, shard_size=128)  # fmt: skip
+    released = []
+    for k in range(plan.num_tasks):
+        shard = plan.task(k)
+        released.append(ShardTask(
+            job_id="job1", shard_id=shard.shard_id, epoch=shard.epoch, index=shard.index,
+            split=shard.split, dataset_uri=DIGITS, sample_ids=shard.sample_ids,
+            micro_batch_size=16, seed=4, preprocess={"augment": []}, released_at=time.time(),
+        ))  # fmt: skip
+    async with Producer(kafka_settings) as producer:
+        for task in released:
+            await producer.publish(topics.shards, task, key=task.shard_id)
+            await asyncio.sleep(0.003)  # record timestamps are in milliseconds
+    batches = TopicReader(kafka_settings, topics.batches("job1"))
+    async with running(kafka_settings, concurrency=1), batches as out:
+        await out.wait_for(lambda m: batch_ids_in(m) >= expected_ids(released), 30)
+    sent = sorted((m.timestamps["sent"], m.shard_id) for m in out.messages if isinstance(m, Batch))
+    worked = list(dict.fromkeys(shard_id for _, shard_id in sent))
+    assert worked == [task.shard_id for task in released]
+
+
 def _trace(span: ReadableSpan) -> int:
     assert span.context is not None
     return int(span.context.trace_id)

@@ -61,8 +61,9 @@ def test_topic_kinds_are_bounded() -> None:
 class Record:
     """The fields of an aiokafka ConsumerRecord that the bookkeeping reads."""
 
-    def __init__(self, topic: str, partition: int, offset: int) -> None:
+    def __init__(self, topic: str, partition: int, offset: int, timestamp: int = 0) -> None:
         self.topic, self.partition, self.offset = topic, partition, offset
+        self.timestamp = timestamp
 
 
 def test_in_flight_bounds_delivery_and_forgets_revoked_partitions() -> None:
@@ -107,3 +108,22 @@ def test_a_revocation_in_grace_keeps_the_records_in_hand_and_drops_those_not_sta
     item = in_flight.next_fetched()
     assert item is not None and (item[0].partition, item[0].offset) == (1, 4)
     assert in_flight.next_fetched() is None
+
+
+def test_oldest_first_picks_the_oldest_partition_head_and_keeps_offset_order() -> None:
+    in_flight = InFlight(max_in_flight=8, oldest_first=True)
+    in_flight.assign([("t", 0), ("t", 1), ("t", 2)])
+    # Partition 0's later record is older than partition 1's head: offset order still wins
+    # within a partition. Equal timestamps go in fetch order.
+    in_flight.add_fetched(
+        [Record("t", 0, 0, 30), Record("t", 0, 1, 10), Record("t", 1, 5, 20),
+         Record("t", 2, 9, 20), Record("t", 1, 6, 40), Record("t", 9, 0, 1)]
+    )  # fmt: skip
+    in_flight.revoke([("t", 9)])  # a revoked partition's record is never delivered
+    assert in_flight.partitions_fetched() == {("t", 0), ("t", 1), ("t", 2)}
+    order = []
+    while (item := in_flight.next_fetched()) is not None:
+        in_flight.deliver(item[1], item[0].offset)
+        order.append((item[0].partition, item[0].offset))
+    assert order == [(1, 5), (2, 9), (0, 0), (0, 1), (1, 6)]
+    assert in_flight.partitions_fetched() == set()

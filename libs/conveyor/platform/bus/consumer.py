@@ -58,6 +58,12 @@ class Consumer(AsyncLifecycle):
       :class:`DeadLetter` to ``Topics(prefix).dlq``, counted, acked and skipped.
     * Lag (high-water mark - position per assigned partition) is :meth:`lag`, and the gauge
       ``conveyor_bus_consumer_lag_records``.
+    * Order: offset order within a partition. Across partitions, the client's fetch order
+      (it drains one partition's fetched records before the next's), or with
+      ``oldest_first`` the oldest record first: before each delivery the consumer takes the
+      next record of every assigned partition the client holds one of, and delivers the one
+      with the smallest timestamp. For work queues whose producer's order matters across
+      partitions, as Kafka Streams picks the partition with the oldest head record.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class Consumer(AsyncLifecycle):
         poll_timeout_s: float = 0.5,
         drain_timeout_s: float = 30.0,
         revoke_grace_s: float = 0.0,
+        oldest_first: bool = False,
         dead_letter_producer: Producer | None = None,
     ) -> None:
         """``dead_letter_producer``: a started producer to reuse for dead letters; by default
@@ -82,7 +89,11 @@ class Consumer(AsyncLifecycle):
         ``revoke_grace_s``: how long a revocation waits for the revoked partitions' delivered
         records to be acked (0: no wait). The group's rebalance waits meanwhile: use it only
         where handling finishes without the group (e.g. :meth:`run`'s CPU-bound handlers),
-        never where an ack waits for another member (which waits for the rebalance)."""
+        never where an ack waits for another member (which waits for the rebalance).
+
+        ``oldest_first``: deliver across partitions oldest record first (see the class
+        docstring); up to one record per assigned partition is then held beyond
+        ``max_in_flight``."""
         if not topics:
             raise ValueError("a consumer needs at least one topic")
         if not group_id:
@@ -107,7 +118,7 @@ class Consumer(AsyncLifecycle):
 
         self._consumer: AIOKafkaConsumer | None = None
         self._closing = False
-        self._in_flight = InFlight(max_in_flight)
+        self._in_flight = InFlight(max_in_flight, oldest_first=oldest_first)
         self._delivery = Delivery(
             self._in_flight,
             self._dead_letters,
@@ -296,6 +307,8 @@ class Consumer(AsyncLifecycle):
         async with self._get_lock:
             while True:
                 consumer = self._running_consumer()
+                if self._in_flight.oldest_first and not self._in_flight.full:
+                    await self._fetch_heads(consumer)
                 if (fetched := self._in_flight.next_fetched()) is not None:
                     received = await self._delivery.accept(*fetched)
                     if received is not None:
@@ -368,12 +381,22 @@ class Consumer(AsyncLifecycle):
             raise BusError("Consumer is not started; use `async with Consumer(...)`")
         return self._consumer
 
-    async def _fetch(self, consumer: AIOKafkaConsumer, timeout_ms: int) -> None:
+    async def _fetch(
+        self,
+        consumer: AIOKafkaConsumer,
+        timeout_ms: int,
+        partitions: Sequence[TopicPartition] = (),
+        max_records: int | None = None,
+    ) -> None:
+        """Fetch up to ``max_records`` (default: the in-flight budget) of ``partitions``
+        (default: all assigned) into the in-flight bookkeeping."""
         # A (re)assigned partition's position is where its first record must be.
         self._holes.expect_positions(consumer.assignment(), partial(fetch_position, consumer))
         try:
             batches = await consumer.getmany(
-                timeout_ms=timeout_ms, max_records=self._in_flight.fetch_budget()
+                *partitions,
+                timeout_ms=timeout_ms,
+                max_records=max_records or self._in_flight.fetch_budget(),
             )
         except ConsumerStoppedError:
             raise ConsumerStopped(f"consumer of group {self._group_id} stopped") from None
@@ -384,6 +407,14 @@ class Consumer(AsyncLifecycle):
             self._in_flight.add_fetched(records)
         if holes:
             await asyncio.sleep(HOLE_RETRY_S)
+
+    async def _fetch_heads(self, consumer: AIOKafkaConsumer) -> None:
+        """For ``oldest_first``: take one record of each assigned partition that has none
+        fetched here, from what the client holds already (no wait)."""
+        held = self._in_flight.partitions_fetched()
+        for tp in consumer.assignment():
+            if tp not in held:
+                await self._fetch(consumer, 0, (tp,), max_records=1)
 
     async def _wait_for_capacity(self, consumer: AIOKafkaConsumer) -> None:
         self._pause()

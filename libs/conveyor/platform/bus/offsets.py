@@ -70,12 +70,17 @@ class InFlight:
     not delivered yet, and the count of delivered records not acknowledged, which
     ``max_in_flight`` bounds. Partition keys are ``(topic, partition)`` tuples (aiokafka's
     ``TopicPartition`` is one).
+
+    Delivery order: fetch order, or with ``oldest_first`` the oldest (by record timestamp,
+    ties in fetch order) of the first fetched record of each partition. Within a partition it
+    is offset order either way.
     """
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, *, oldest_first: bool = False) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
+        self.oldest_first = oldest_first
         self.partitions: dict[tuple[str, int], PartitionOffsets] = {}
         self.unacked = 0
         """Delivered, not acknowledged records of the current assignment."""
@@ -121,11 +126,31 @@ class InFlight:
         """The next record to deliver with its partition's offsets, or None (none fetched or
         ``full``). The caller then calls :meth:`deliver`, :meth:`skip` or :meth:`put_back`."""
         while self._fetched and not self.full:
-            record = self._fetched.popleft()
+            record = self._pop_oldest_head() if self.oldest_first else self._fetched.popleft()
             offsets = self.partitions.get((record.topic, record.partition))
             if offsets is not None:
                 return record, offsets
         return None
+
+    def _pop_oldest_head(self) -> Any:
+        """Remove and return the oldest of the partitions' first fetched records. A linear
+        scan: at most max_in_flight records plus one per partition are fetched."""
+        seen: set[tuple[str, int]] = set()
+        oldest_at, oldest_ts = 0, None
+        for position, record in enumerate(self._fetched):
+            tp = (record.topic, record.partition)
+            if tp in seen:
+                continue
+            seen.add(tp)
+            if oldest_ts is None or record.timestamp < oldest_ts:
+                oldest_at, oldest_ts = position, record.timestamp
+        record = self._fetched[oldest_at]
+        del self._fetched[oldest_at]
+        return record
+
+    def partitions_fetched(self) -> set[tuple[str, int]]:
+        """The partitions with at least one fetched, undelivered record."""
+        return {(record.topic, record.partition) for record in self._fetched}
 
     def deliver(self, offsets: PartitionOffsets, offset: int) -> None:
         """The record was handed to the application: it is in flight until acked."""

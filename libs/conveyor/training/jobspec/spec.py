@@ -25,8 +25,8 @@ DEFAULT_LEAD_BATCHES_RANGE = (64, 512)
 UNSIZED_LEAD_BATCHES = 64
 """The default lead of a job whose batch size in bytes is not known before it is planned (no
 ``preprocess.image_size``: builtin, npz, synthetic and token datasets): the lead before the
-default was sized by bytes. Not more: a lead longer than an epoch lets the preprocessors take
-the next epoch's tasks before this epoch's eval tasks, and these datasets are often small."""
+default was sized by bytes. Not more while the bytes are unknown: 64 micro-batches of 32
+224x224x3 images from an npz set already exceed the 256 MiB of ``DEFAULT_LEAD_BYTES``."""
 
 LEAD_SHARD_TASKS = 16
 """Shard tasks the default shard size fits in a job's flow-control lead: enough for a pool of

@@ -1,7 +1,9 @@
 """The preprocessor: turns shard tasks into ready batches on the job's batches topic.
 
 Waits for the shards and jobs topics (the sharder creates them; not ready until then), then
-consumes ``Topics.shards`` in group ``conveyor-preprocessors`` (``concurrency`` tasks at once).
+consumes ``Topics.shards`` in group ``conveyor-preprocessors`` (``concurrency`` tasks at once),
+across its partitions oldest task first, so tasks are taken in the order the sharder released
+them (ties within a millisecond in partition order).
 Per task, inside a CONSUMER span ``process <shards topic>`` that continues the task's trace:
 
 1. the job's batches topic must exist, else the job ended: the task is dropped (acked);
@@ -144,6 +146,10 @@ class PreprocessorService(Service):
                 max_in_flight=self.settings.concurrency,
                 drain_timeout_s=max(1.0, self.drain_timeout_s - 5.0),
                 revoke_grace_s=self.settings.revoke_grace_s,
+                # The sharder releases an epoch's train tasks, then its eval tasks, then the
+                # next epoch's, spread over the partitions: taken in fetch order, a lead of more
+                # than an epoch had the next epoch trained before this one was evaluated.
+                oldest_first=True,
                 dead_letter_producer=producer,
             ) as consumer,
         ):
