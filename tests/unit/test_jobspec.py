@@ -54,10 +54,10 @@ def test_minimal_spec_gets_documented_defaults() -> None:
     assert spec.distribution.trainers == 1 and spec.distribution.mode == "sync"
     assert spec.distribution.allocation == "adaptive"
     assert spec.distribution.compression.kind == "none"
-    assert spec.flow.max_lead_batches == 64  # no image_size: the batch bytes are not known
+    assert spec.flow.max_lead_batches == 512  # 2 KiB batches of 8x8 digits: the most
     assert spec.resources.device == "auto"
     assert spec.micro_batches_per_step == 2
-    assert spec.shard_size == 4 * 32  # the lead of 64 batches holds 16 shard tasks
+    assert spec.shard_size == 8 * 32  # the most a shard holds (a lead of 512 fits 64 of them)
 
 
 @pytest.mark.parametrize(
@@ -72,23 +72,33 @@ def test_default_shards_let_the_lead_hold_16_tasks_of_1_to_8_micro_batches(
     assert JobSpec.model_validate(given).shard_size == 96  # a set size is kept
 
 
+NPZ = "npz://data/digits"
+"""An array dataset whose images are known only once read."""
+
+
 @pytest.mark.parametrize(
-    ("preprocess", "distribution", "lead"),
+    ("uri", "preprocess", "distribution", "lead"),
     [
-        ({"image_size": [64, 64], "channels": 3}, {}, 512),  # 384 KiB a batch: at the most
-        ({"image_size": [64, 64], "channels": 1}, {}, 512),
-        ({"image_size": [128, 128]}, {}, 170),  # channels unknown: counted as 3
-        ({"image_size": [224, 224], "channels": 3}, {}, 64),  # 4.6 MiB a batch: the least
-        ({}, {}, 64),  # the images' size is not in the spec
-        ({}, {"mode": "local", "sync_every_steps": 100}, 400),  # two windows of 2 x 100
-        ({}, {"mode": "local", "sync_every_steps": 8, "overlap_steps": 2}, 64),
-        ({}, {"mode": "local", "sync_every_steps": 20}, 80),
+        (NPZ, {"image_size": [64, 64], "channels": 3}, {}, 512),  # 384 KiB a batch: the most
+        (NPZ, {"image_size": [64, 64], "channels": 1}, {}, 512),
+        (NPZ, {"image_size": [128, 128]}, {}, 170),  # channels unknown: counted as 3
+        (NPZ, {"image_size": [224, 224], "channels": 3}, {}, 64),  # 4.6 MiB a batch: the least
+        (NPZ, {}, {}, 64),  # the images' size is not in the spec
+        ("builtin://sklearn-digits", {}, {}, 512),  # 1x8x8: the URI says
+        ("synthetic://?n=500&shape=3x224x224", {}, {}, 64),  # 4.6 MiB a batch
+        ("synthetic://?n=500&shape=160x160", {}, {}, 327),  # HxW: one channel, 800 KiB
+        ("synthetic://?n=500", {}, {}, 512),  # the default 3x32x32
+        ("synthetic://?n=500&shape=3xbig", {}, {}, 64),  # refused when planned; unsized here
+        (NPZ, {}, {"mode": "local", "sync_every_steps": 100}, 400),  # two windows of 2 x 100
+        (NPZ, {}, {"mode": "local", "sync_every_steps": 8, "overlap_steps": 2}, 64),
+        (NPZ, {}, {"mode": "local", "sync_every_steps": 20}, 80),
     ],
 )
 def test_a_default_lead_holds_256_mib_of_batches_and_two_windows(
-    preprocess: dict[str, Any], distribution: dict[str, Any], lead: int
+    uri: str, preprocess: dict[str, Any], distribution: dict[str, Any], lead: int
 ) -> None:
     data = spec_with("preprocess", preprocess)
+    data["dataset"] = {"uri": uri}
     data["distribution"] = distribution
     spec = JobSpec.model_validate(data)
     assert spec.flow.max_lead_batches == spec.lead_batches == lead

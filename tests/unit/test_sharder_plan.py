@@ -146,7 +146,7 @@ def test_from_spec_uses_default_shard_size() -> None:
                      "optimizer": {"name": "sgd", "lr": 0.1}, "seed": 5},
     })  # fmt: skip
     plan = JobPlan.from_spec("j", spec, 1797)
-    assert plan.shard_size == 4 * 16 and plan.seed == 5 and plan.epochs == 2
+    assert plan.shard_size == 8 * 16 and plan.seed == 5 and plan.epochs == 2  # lead 512
     assert plan.num_eval == 179
 
 

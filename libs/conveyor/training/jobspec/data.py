@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -45,6 +47,22 @@ class DatasetSpec(_Spec):
         """The URI scheme (``builtin``, ``synthetic``, ``npz``, ``mnist-idx``, ``imagefolder``,
         ``webdataset``, ``parquet``, ``tokens``)."""
         return self.uri.partition("://")[0]
+
+    @property
+    def sample_bytes(self) -> int | None:
+        """Bytes of one uint8 sample when the URI alone says (no I/O): the built-in digits
+        (1x8x8) and ``synthetic://`` (its ``shape``, 3x32x32 by default); None for datasets
+        whose images are only known once read. For sizing only: the datasets library
+        validates the URI when the job is planned, and a shape it would refuse gives None."""
+        if self.uri == "builtin://sklearn-digits":
+            return 8 * 8
+        if self.scheme != "synthetic":
+            return None
+        shape = parse_qs(urlsplit(self.uri).query).get("shape", ["3x32x32"])[-1]
+        sides = shape.lower().split("x")
+        if len(sides) not in (2, 3) or not all(side.isdigit() and int(side) > 0 for side in sides):
+            return None
+        return math.prod(int(side) for side in sides)
 
 
 class NormalizeSpec(_Spec):

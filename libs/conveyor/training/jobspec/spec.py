@@ -23,10 +23,11 @@ DEFAULT_LEAD_BYTES = 256 * 2**20
 DEFAULT_LEAD_BATCHES_RANGE = (64, 512)
 """The fewest and most batches of a default lead."""
 UNSIZED_LEAD_BATCHES = 64
-"""The default lead of a job whose batch size in bytes is not known before it is planned (no
-``preprocess.image_size``: builtin, npz, synthetic and token datasets): the lead before the
-default was sized by bytes. Not more while the bytes are unknown: 64 micro-batches of 32
-224x224x3 images from an npz set already exceed the 256 MiB of ``DEFAULT_LEAD_BYTES``."""
+"""The default lead of a job whose sample size in bytes is not known before it is planned (no
+``preprocess.image_size``, and a dataset other than the built-in digits or ``synthetic://``:
+npz, idx and token datasets): the lead before the default was sized by bytes. Not more while
+the bytes are unknown: 64 micro-batches of 32 224x224x3 images from an npz set already exceed
+the 256 MiB of ``DEFAULT_LEAD_BYTES``."""
 
 LEAD_SHARD_TASKS = 16
 """Shard tasks the default shard size fits in a job's flow-control lead: enough for a pool of
@@ -95,7 +96,7 @@ class JobSpec(_Spec):
         if flow.max_lead_batches is not None:
             return flow
         training, distribution = info.data.get("training"), info.data.get("distribution")
-        lead = default_lead_batches(info.data.get("preprocess"), training)
+        lead = default_lead_batches(info.data.get("dataset"), info.data.get("preprocess"), training)
         if training is not None and distribution is not None:
             # A local window's (or a deterministic step's) batches are all released before it
             # can close: a default lead holds two, so the next one's are decoded meanwhile.
@@ -208,16 +209,25 @@ def window_batches(training: TrainingSpec, distribution: DistributionSpec) -> in
     return steps * (training.global_batch_size // training.micro_batch_size)
 
 
-def default_lead_batches(preprocess: PreprocessSpec | None, training: TrainingSpec | None) -> int:
+def default_lead_batches(
+    dataset: DatasetSpec | None, preprocess: PreprocessSpec | None, training: TrainingSpec | None
+) -> int:
     """The flow-control lead of a job that sets none: as many micro-batches of uint8 images as
     fit ``DEFAULT_LEAD_BYTES``, within ``DEFAULT_LEAD_BATCHES_RANGE``; ``UNSIZED_LEAD_BATCHES``
-    when the images' size is not in the spec. The lead must cover what the trainers consume
-    while a consumption report travels to the sharder and the released shards are decoded (a
-    GPU trainer eating 3,000 64x64 images a second starved behind a lead of 32 batches and
-    was fed at 128, see docs/operations.md)."""
-    if preprocess is None or training is None or preprocess.image_size is None:
+    when the spec does not say the images' size (``preprocess.image_size``, else what the
+    dataset URI says: :attr:`DatasetSpec.sample_bytes`). The lead must cover what the trainers
+    consume while a consumption report travels to the sharder and the released shards are
+    decoded (a GPU trainer eating 3,000 64x64 images a second starved behind a lead of 32
+    batches and was fed at 128; local-mode trainers of the digits job waited 8-16% of the time
+    for data behind 64 on 2 cores and 1.3-1.7% behind 512, see docs/operations.md)."""
+    if training is None:
         return UNSIZED_LEAD_BATCHES
-    height, width = preprocess.image_size
-    batch_bytes = training.micro_batch_size * (preprocess.channels or 3) * height * width
+    if preprocess is not None and preprocess.image_size is not None:
+        height, width = preprocess.image_size
+        sample_bytes = (preprocess.channels or 3) * height * width
+    elif dataset is not None and dataset.sample_bytes is not None:
+        sample_bytes = dataset.sample_bytes
+    else:
+        return UNSIZED_LEAD_BATCHES
     least, most = DEFAULT_LEAD_BATCHES_RANGE
-    return min(most, max(least, DEFAULT_LEAD_BYTES // batch_bytes))
+    return min(most, max(least, DEFAULT_LEAD_BYTES // (training.micro_batch_size * sample_bytes)))
