@@ -205,8 +205,10 @@ async def harness(
     overlap: int = 0,
     empty_wait_s: float = 0.2,
     joined: bool = True,
+    placed: tuple[str, ...] = (ME,),
 ) -> AsyncIterator[Harness]:
-    """``joined``: the batches consumer has joined its group already."""
+    """``joined``: the batches consumer has joined its group already; ``placed``: the
+    trainers the schedule puts on the job."""
     view = JobView(
         job_id=JOB, name="steps", spec=spec(mode, staleness, window, overlap), idempotency_key=None,
         submitted_at=0.0, updated_at=0.0, stage_window=8, state="planned", plan=PLAN,
@@ -226,6 +228,7 @@ async def harness(
         metrics=TrainerMetrics(),
         compute_executor=compute,
         copy_executor=copy,
+        placed_trainers=lambda: placed,
     )
     prefetch = Prefetcher(
         source, DeviceCopier(torch.device("cpu")), job_id=JOB, depth=4, consumer_group="g",

@@ -62,6 +62,7 @@ def train_in_lockstep(
     *,
     throughputs: list[float],
     first_hears_only_itself: bool = False,
+    placement_known: bool = False,
     window: int = 1,
 ) -> tuple[list[int], list[str]]:
     """Every trainer takes what its control fold says from the batches routed to it (each
@@ -69,7 +70,8 @@ def train_in_lockstep(
     partitions the consumer group's round robin gives it), the coordinator closes each step;
     a rejected contribution's batches go back to its trainer. Returns the micro-batches of
     every step (0: an empty one) and the rejections' reasons. ``first_hears_only_itself``:
-    the first trainer starts before the others' heartbeats reach it. ``window`` > 1: local
+    the first trainer starts before the others' heartbeats reach it. ``placement_known``: the
+    trainers know from the schedule who else is placed on the job. ``window`` > 1: local
     mode, each contribution a window of that many inner steps of the trainer's share."""
     job = spec(window)
     partitions = max(2, 2 * trainers)  # the sharder's default topology for the job
@@ -106,7 +108,9 @@ def train_in_lockstep(
         taken: dict[str, list[int]] = {}
         for w in workers:
             control = controls[w]
-            wanted = control.micro_batches_for(job.micro_batches_per_step, T0) * window
+            placed = workers if placement_known and not control.allocation else []
+            wanted = control.micro_batches_for(job.micro_batches_per_step, T0, placed=placed)
+            wanted *= window
             taken[w], held[w] = held[w][:wanted], held[w][wanted:]
             coordinator.fold(contribution(w, sequence, control.version, routed_epoch, taken[w]))
             sequence += 1
@@ -168,6 +172,21 @@ def test_a_first_local_window_split_on_different_views_of_the_pool_holds_the_glo
     assert reasons == ["over the global batch"]
     assert max(steps) == 16  # without the cap: 24 (2 trainers), 20 (4)
     assert sum(steps) == EPOCHS * TRAIN_BATCHES
+
+
+@pytest.mark.parametrize(("trainers", "window"), [(2, 1), (3, 1), (4, 1), (2, 8), (4, 8)])
+def test_a_first_split_that_counts_the_placed_trainers_needs_no_rejection(
+    trainers: int, window: int
+) -> None:
+    # What the trainers do: the first one has heard no other heartbeat yet, but the schedule
+    # (the jobs topic) tells it who else is placed on the job, so its share is theirs.
+    steps, reasons = train_in_lockstep(
+        trainers, throughputs=[100.0] * trainers, first_hears_only_itself=True,
+        placement_known=True, window=window,
+    )  # fmt: skip
+    assert reasons == []
+    per_epoch = [2] * 22 + [1] if window == 1 else [16, 16, 13] if trainers == 2 else [16, 16, 7, 6]
+    assert steps == per_epoch * EPOCHS
 
 
 @pytest.mark.parametrize(

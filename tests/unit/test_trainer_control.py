@@ -157,6 +157,20 @@ def test_allocation_and_the_equal_split_before_it() -> None:
     assert control.micro_batches_for(4, now) == 0  # a newcomer waits to be allocated
 
 
+def test_the_split_before_the_first_allocation_counts_the_placed_trainers() -> None:
+    control = state()
+    now = 1000.0
+    # The schedule placed w-b and w-c on the job; no heartbeat of theirs has come yet.
+    assert control.micro_batches_for(4, now, placed=[ME, "w-b", "w-c"]) == 2  # ME sorts first
+    assert control.micro_batches_for(4, now, placed=["w-b"]) == 2  # itself always counts
+    control.apply(heartbeat("w-b", now - 1))
+    assert control.micro_batches_for(4, now, placed=["w-c"]) == 2
+    assert control.micro_batches_for(4, now) == 2  # w-b is live
+    control.apply(close(1, [], allocation={ME: 3, "w-b": 1}))
+    # An allocation decides alone: placed trainers it leaves out do not change the share.
+    assert control.micro_batches_for(4, now, placed=[ME, "w-b", "w-c", "w-d"]) == 3
+
+
 def test_more_trainers_than_micro_batches_split_before_any_allocation() -> None:
     control = state()
     now = 1000.0

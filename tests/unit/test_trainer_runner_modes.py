@@ -71,6 +71,21 @@ async def test_sync_waits_for_the_close_and_every_slice_then_recomputes_a_reject
         assert sorted(h.consumer.acked) == [0, 1]  # nothing acked for the rejected one
 
 
+async def test_the_first_step_takes_its_share_of_the_trainers_placed_on_the_job() -> None:
+    # No other trainer's heartbeat is on the log yet, but the schedule placed w-b on the job:
+    # the first step takes half of the 2 micro-batches, not the whole step beside w-b's half.
+    async with harness("sync", placed=(ME, "w-b")) as h:
+        h.feed(0, 1, 2, 3)
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [first] = h.contributions()
+        assert first.batch_ids == ids(0) and first.num_samples == 2
+        h.log(close(1, [first], {ME: 2}))  # the allocation decides from here on
+        h.params(1)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 2)
+        assert h.contributions()[1].batch_ids == ids(1, 2)
+
+
 async def test_sync_sends_an_empty_contribution_without_data() -> None:
     async with harness("sync") as h:
         h.params(0)

@@ -20,7 +20,8 @@ earlier decision has not come back through the log. Decisions also reject a cont
 whose sample ids are outside the dataset or whose batch ids are not all of its epoch ("invalid
 sample ids", "invalid batch ids"), and, in sync mode, what would take a step past the global
 batch, or a local window past ``sync_every_steps`` global batches ("over the global batch":
-trainers that split the first step before any allocation may each count other trainers live).
+trainers that split the first step before any allocation count the live and placed trainers
+each sees, which may differ when a trainer is placed after another started).
 
 Allocation (``distribution.allocation``): adaptive gives each live trainer micro-batches per
 step in proportion to its measured throughput and publishes a ``routing`` of the batches

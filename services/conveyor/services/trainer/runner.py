@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
@@ -120,9 +120,13 @@ class JobRunner:
         metrics: TrainerMetrics,
         compute_executor: Executor,
         copy_executor: Executor,
+        placed_trainers: Callable[[], Collection[str]],
     ) -> None:
+        """``placed_trainers``: the trainers the schedule puts on this job now (the first step
+        splits over them with the live ones, :meth:`ControlState.micro_batches_for`)."""
         self.session = session
         self.settings = settings
+        self._placed_trainers = placed_trainers
         self._compute_executor = compute_executor
         self.figures = TrainerFigures(
             metrics,
@@ -370,7 +374,7 @@ class JobRunner:
         engine, base, plane = self.session.engine, self.loaded_version, self.plane
         assert base is not None
         spec = self.session.spec
-        wanted = plane.control.micro_batches_for(spec.micro_batches_per_step, time.time())
+        wanted = self._share()
         if spec.distribution.deterministic:  # the one trainer takes every step whole, also
             wanted = spec.micro_batches_per_step  # when an allocation counts a dead predecessor
         if plane.outstanding.mode == "ssp":
@@ -418,6 +422,18 @@ class JobRunner:
             param_wait_s=param_wait_s,
         )
 
+    def _share(self) -> int:
+        """This trainer's micro-batches for its next step. Before the first allocation the
+        split counts the trainers placed on the job too: one that starts before another's
+        first heartbeat reaches it would otherwise take the whole step beside the other's
+        share, and one of the two (a whole local window) would be rejected as over the
+        global batch."""
+        control = self.plane.control
+        placed = () if control.allocation else self._placed_trainers()
+        return control.micro_batches_for(
+            self.session.spec.micro_batches_per_step, time.time(), placed=placed
+        )
+
     async def _window(self, wanted: int, base: int, window: Window) -> Window:
         """Local mode: ``window`` (its carried steps, if any) completed to ``sync_every_steps``
         inner steps of ``wanted`` micro-batches on ``base``, ending at one that finds fewer
@@ -442,7 +458,7 @@ class JobRunner:
         if inner is None or not engine.can_overlap or len(plane.outstanding) != 1:
             return None
         assert self.loaded_version is not None
-        wanted = control.micro_batches_for(self.session.spec.micro_batches_per_step, time.time())
+        wanted = self._share()
         window = Window()
         while (
             len(window.inner_steps) < inner.overlap_steps

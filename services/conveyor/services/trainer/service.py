@@ -130,5 +130,6 @@ class TrainerService(JobHostService[JobSession]):
             metrics=self.metrics,
             compute_executor=self._compute,
             copy_executor=self._copy,
+            placed_trainers=lambda: self.view.schedule().trainers_of(job.job_id),
         )
         await runner.run()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from conveyor.platform.messages import (
@@ -249,22 +250,26 @@ class ControlState:
         live.add(self.worker_id)
         return live
 
-    def micro_batches_for(self, micro_batches_per_step: int, now: float) -> int:
+    def micro_batches_for(
+        self, micro_batches_per_step: int, now: float, *, placed: Collection[str] = ()
+    ) -> int:
         """This trainer's micro-batches for the next step: the latest allocation's, which may
         be 0 (more trainers than micro-batches per step take turns; the coordinator's
         allocation sums to the step, so the global batch holds). Before the first allocation,
-        an equal split over the live trainers in the coordinator's turn order (lowest batches
-        partition, then id: the first ``micro_batches_per_step % n`` take one more; 0 for the
-        rest when there are more trainers than micro-batches); a trainer that joined later is
-        missing from it and takes 0 until the next close names it (its empty contribution
-        makes it a member)."""
+        an equal split over the live trainers and the ``placed`` ones (those the schedule puts
+        on the job, known from the jobs topic before their first heartbeat here) in the
+        coordinator's turn order (lowest batches partition, then id: the first
+        ``micro_batches_per_step % n`` take one more; 0 for the rest when there are more
+        trainers than micro-batches); a trainer that joined later is missing from it and
+        takes 0 until the next close names it (its empty contribution makes it a member)."""
         allocated = self.allocation.get(self.worker_id)
         if allocated is not None:
             return allocated
         if self.allocation:
             return 0
         lowest = self._lowest_partition
-        members = sorted(self.live_trainers(now), key=lambda w: (lowest.get(w, math.inf), w))
+        pool = self.live_trainers(now).union(placed)
+        members = sorted(pool, key=lambda w: (lowest.get(w, math.inf), w))
         base, extra = divmod(micro_batches_per_step, len(members))
         return base + (1 if members.index(self.worker_id) < extra else 0)
 
