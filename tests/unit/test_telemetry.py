@@ -174,14 +174,34 @@ def test_otlp_traces_url() -> None:
 
 
 @pytest.mark.usefixtures("fresh_tracing")
-def test_setup_tracing_sets_global_provider_and_w3c_propagator() -> None:
-    provider = setup_tracing("gateway", settings())
-    assert trace.get_tracer_provider() is provider
-    assert provider.resource.attributes["service.name"] == "gateway"
-
-    with trace.get_tracer("t").start_as_current_span("request") as span:
+def test_without_an_endpoint_no_trace_starts_sampled_but_ids_propagate_and_upstream_rules() -> None:
+    setup_tracing("sharder", settings(trace_sample_ratio=1.0))
+    tracer = trace.get_tracer("t")
+    with tracer.start_as_current_span("release shard") as root:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
+    # Nothing would receive it: not recorded, yet its ids reach the headers (and the logs).
+    assert not root.is_recording()
+    _, trace_id, _, flags = carrier["traceparent"].split("-")
+    assert trace_id == f"{root.get_span_context().trace_id:032x}" != "0" * 32
+    assert int(flags, 16) & 0x01 == 0
+    # A trace sampled where it started (a process that exports) is followed here.
+    upstream = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}
+    with tracer.start_as_current_span("process", context=propagate.extract(upstream)) as child:
+        assert child.is_recording() and child.get_span_context().trace_flags.sampled
+
+
+@pytest.mark.usefixtures("fresh_tracing")
+def test_setup_tracing_sets_global_provider_and_w3c_propagator() -> None:
+    with OtlpReceiver() as receiver:
+        provider = setup_tracing("gateway", settings(otlp_endpoint=receiver.endpoint))
+        assert trace.get_tracer_provider() is provider
+        assert provider.resource.attributes["service.name"] == "gateway"
+
+        with trace.get_tracer("t").start_as_current_span("request") as span:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+        assert provider.force_flush(timeout_millis=5000)
     context = span.get_span_context()
     version, trace_id, span_id, flags = carrier["traceparent"].split("-")
     assert (version, trace_id, span_id) == (

@@ -281,7 +281,9 @@ class TelemetrySettings(_FileAwareSettings):
         description=(
             "Share of new traces kept (1: every batch, for development; 0.01 in production). "
             "Decided where a trace starts (a shard release, an HTTP request) and followed by "
-            "every span after it, in every process, so a batch's chain is whole or absent."
+            "every span after it, in every process, so a batch's chain is whole or absent. "
+            "A process without an OTLP endpoint starts no sampled trace (nothing would "
+            "receive its spans)."
         ),
     )
     http_host: str = Field(default="127.0.0.1", description="Bind address of /healthz, /metrics.")
