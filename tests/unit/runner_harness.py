@@ -134,7 +134,11 @@ def batch_record(offset: int, k: int, epoch: int = 0, split: str = "train") -> R
 
 
 def spec(
-    mode: str, staleness: int = 0, window: int | None = None, overlap: int = 0
+    mode: str,
+    staleness: int = 0,
+    window: int | None = None,
+    overlap: int = 0,
+    optimizer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     local = {"sync_every_steps": window} if window is not None else {}
     if overlap:
@@ -145,7 +149,7 @@ def spec(
         "dataset": {"uri": "builtin://sklearn-digits"},
         "training": {
             "epochs": 1, "global_batch_size": 4, "micro_batch_size": 2,
-            "optimizer": {"name": "sgd", "lr": 0.1},
+            "optimizer": optimizer or {"name": "sgd", "lr": 0.1},
         },
         "distribution": {"aggregator_shards": 2, "mode": mode, "staleness": staleness, **local},
         "resources": {"device": "cpu"},
@@ -206,12 +210,14 @@ async def harness(
     empty_wait_s: float = 0.2,
     joined: bool = True,
     placed: tuple[str, ...] = (ME,),
+    optimizer: dict[str, Any] | None = None,
 ) -> AsyncIterator[Harness]:
     """``joined``: the batches consumer has joined its group already; ``placed``: the
-    trainers the schedule puts on the job."""
+    trainers the schedule puts on the job; ``optimizer``: the job's (SGD lr 0.1 if None)."""
     view = JobView(
-        job_id=JOB, name="steps", spec=spec(mode, staleness, window, overlap), idempotency_key=None,
-        submitted_at=0.0, updated_at=0.0, stage_window=8, state="planned", plan=PLAN,
+        job_id=JOB, name="steps", spec=spec(mode, staleness, window, overlap, optimizer),
+        idempotency_key=None, submitted_at=0.0, updated_at=0.0, stage_window=8, state="planned",
+        plan=PLAN,
     )  # fmt: skip
     settings = TrainerSettings(worker_id=ME, empty_contribution_wait_s=empty_wait_s)
     session = prepare_job(view, settings, TOPICS)

@@ -14,6 +14,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 from runner_harness import JOB, ME, Harness, close, harness, ids
 
 from conveyor.platform.messages import (
@@ -214,3 +215,49 @@ async def test_local_overlapped_steps_of_a_rejected_window_are_recomputed_from_i
         # overlapped batches back first, then the rejected window's.
         assert (second.base_version, second.carried_steps) == (0, 0)
         assert second.batch_ids == ids(4, 5, 0, 1) and second.inner_steps == [2, 2]
+
+
+MOMENTUM = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+def window_slices(h: Harness, contribution: Contribution) -> list[torch.Tensor]:
+    sent = [
+        m for m in h.producer.of(GradSlice) if m.contribution_id == contribution.contribution_id
+    ]
+    return [m.values for m in sorted(sent, key=lambda m: m.slice_index)]
+
+
+async def fresh_window(*batches: int) -> list[torch.Tensor]:
+    """The delta a trainer that never ran a window sends for ``batches`` on version 0."""
+    async with harness("local", window=2, optimizer=MOMENTUM) as h:
+        h.feed(*batches)
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [window] = h.contributions()
+        assert window.batch_ids == ids(*batches)
+        return window_slices(h, window)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+async def test_a_rejected_local_window_leaves_nothing_in_the_inner_optimizer(overlap: int) -> None:
+    # With momentum, the window recomputed on version 0 after a rejection sends what a fresh
+    # trainer sends for its batches only if the rejected window's steps left no momentum
+    # behind (nor did the steps overlapped after it, which are dropped with it).
+    async with harness("local", window=2, overlap=overlap, optimizer=MOMENTUM) as h:
+        h.feed(*range(4 + 2 * overlap))
+        h.params(0)
+        await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        [first] = h.contributions()
+        assert first.batch_ids == ids(0, 1, 2, 3)
+        if overlap:  # batches 4 and 5, while the window is not decided
+            await overlapped(h, 1)
+        h.log(Rejection(job_id=JOB, contribution_id=first.contribution_id, worker_id=ME,
+                        current_version=0, reason="test"))  # fmt: skip
+        await h.producer.wait_for(lambda: len(h.contributions()) == 2)
+        second = h.contributions()[1]
+        assert (second.base_version, second.inner_steps) == (0, [2, 2])
+        recomputed = window_slices(h, second)
+    batches = (4, 5, 0, 1) if overlap else (0, 1, 2, 3)
+    assert second.batch_ids == ids(*batches)
+    expected = await fresh_window(*batches)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, expected, strict=True))

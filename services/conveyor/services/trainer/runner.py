@@ -101,6 +101,8 @@ class Window:
     inner_steps: list[int] = field(default_factory=list)
     wait_s: float = 0.0
     carried: int = 0
+    inner_state: dict[str, Any] | None = None
+    """Local mode: the inner optimizer's state before the window's first step."""
 
 
 class JobRunner:
@@ -164,6 +166,9 @@ class JobRunner:
         """Local mode's overlap: the window the carried steps continue was rejected."""
         self._undo: list[EncodedGrad] = []
         """Error-feedback corrections of rejected contributions, applied on the compute thread."""
+        self._rewind: dict[str, Any] | None = None
+        """Local mode: the inner optimizer's state before a rejected window, put back before
+        the next window (on the compute thread)."""
         self._tracer = trace.get_tracer(TRACER_NAME)
         self._param_traces = ParamTraces()
         self._loaded_stamps: tuple[float | None, float | None] = (None, None)
@@ -286,6 +291,8 @@ class JobRunner:
             self.intake.book.requeue(pending.batches, self.plane.control)
             if pending.feedback is not None:
                 self._undo.append(pending.feedback)
+            if pending.inner_state is not None:
+                self._rewind = pending.inner_state
 
     # -- training -----------------------------------------------------------------------------
 
@@ -349,6 +356,10 @@ class JobRunner:
         undo, self._undo = self._undo, []
         for encoded in undo:
             await self._compute(self.session.engine.encoder.undo, encoded)
+        rewind, self._rewind = self._rewind, None
+        if rewind is not None:
+            assert self.session.engine.inner is not None
+            await self._compute(self.session.engine.inner.restore, rewind)
         if carried is not None and self._carry_lost:
             self.intake.book.requeue([c.batch for c in carried.computed], control)
             carried = None
@@ -409,7 +420,7 @@ class JobRunner:
                             started_at=started_at, computed_at=time.time())  # fmt: skip
         pending, grad_send_s = await outgoing.finish(
             computed, encoded, inner_steps=window.inner_steps, carried_steps=window.carried,
-            stamps=stamps,
+            inner_state=window.inner_state, stamps=stamps,
         )  # fmt: skip
         plane.outstanding.add(pending)
         self.figures.contribution_sent(
@@ -481,6 +492,10 @@ class JobRunner:
         if not step:
             return False
         samples = sum(c.result.samples for c in step)
+        inner = self.session.engine.inner
+        assert inner is not None
+        if window.inner_state is None:  # its first step: what a rejection of it puts back
+            window.inner_state = await self._compute(inner.state)
         await self._compute(self.session.engine.inner_step, samples, lr)
         window.computed += step
         window.inner_steps.append(len(step))

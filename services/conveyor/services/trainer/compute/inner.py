@@ -9,14 +9,20 @@ the sample-weighted mean parameter delta, the outer optimizer's gradient.
 
 The optimizer state (momentum, Adam moments) stays with the trainer across windows, as in
 DiLoCo; a trainer that restarts starts it afresh (the trainers keep no state that a replacement
-needs, departure 5). Inner step ``i`` of the window on version ``v`` is schedule step
-``v * H + i``: with H steps of the global batch per version, the schedule counts steps as sync
-mode does. Blocking tensor work: call from the compute thread.
+needs, departure 5). A rejected window leaves none of it: the trainer takes a copy before each
+window (:meth:`InnerOptimizer.state`) and restores it when the window is rejected, so the window
+recomputed on the new version steps as if the rejected one had never run.
+
+Inner step ``i`` of the window on version ``v`` is schedule step ``v * H + i``: with H steps of
+the global batch per version, the schedule counts steps as sync mode does. Blocking tensor
+work: call from the compute thread.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +61,15 @@ class InnerOptimizer:
     def waiting_steps(self, train_left: int) -> int:
         """:func:`waiting_steps` of a window at this job's micro-batches per step."""
         return waiting_steps(train_left, self._micro_batches_per_step)
+
+    def state(self) -> dict[str, Any]:
+        """A copy of the optimizer's state (momentum buffers, Adam moments; empty before the
+        first step), to :meth:`restore` if the window about to run is rejected."""
+        return copy.deepcopy(self._optimizer.state_dict())
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put back a :meth:`state` copy (the learning rate is set again at every step)."""
+        self._optimizer.load_state_dict(state)
 
     def step(self, num_samples: int, lr: float) -> None:
         """One optimizer step on the gradient accumulated over ``num_samples`` samples (>= 1),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from conveyor.services.trainer.plane.control import ControlState, Outcome, Rejected
 from conveyor.services.trainer.plane.gradients import EncodedGrad
@@ -45,6 +45,9 @@ class Pending(Generic[T]):
     feedback: EncodedGrad | None = field(default=None, repr=False)
     """Top-k error feedback: the encoded step, taken back out of the residuals if it is
     rejected (nothing it sent was applied); None without error feedback."""
+    inner_state: dict[str, Any] | None = field(default=None, repr=False)
+    """Local mode: the inner optimizer's state before the window, put back if it is rejected
+    (:meth:`InnerOptimizer.state`); None in the other modes."""
 
 
 class Outstanding(Generic[T]):

@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
@@ -119,11 +120,13 @@ class Outgoing:
         *,
         inner_steps: list[int] | None = None,
         carried_steps: int = 0,
+        inner_state: dict[str, Any] | None = None,
         stamps: StepStamps,
     ) -> tuple[Pending[ReadyBatch], float]:
         """Send the slices of ``encoded`` not sent yet, await every ack, publish the
         Contribution (``computed``: every pass of it; local mode: ``inner_steps`` passes per
-        inner step, the first ``carried_steps`` of them overlapped; ``stamps``); returns it
+        inner step, the first ``carried_steps`` of them overlapped, ``inner_state`` the inner
+        optimizer's before the window; ``stamps``); returns it
         as :class:`Pending` and the seconds this took (the sending left after the gradient was
         whole). Raises ``BusError`` when the broker fails."""
         session, batches = self._session, self._batches
@@ -169,6 +172,7 @@ class Outgoing:
             grad_bytes=encoded.nbytes,
             sent_at=time.time(),
             feedback=encoded if encoded.feedback_inputs is not None else None,
+            inner_state=inner_state,
         )
         return pending, time.perf_counter() - started
 
