@@ -102,7 +102,8 @@ class AugmentedImages(torch.utils.data.Dataset[HostBatch]):
         epoch, split = indices[0][0], indices[0][1]
         ids = [index[2] for index in indices]
         augmenter = self.eval_augmenter if split == EVAL else self.augmenter
-        from conveyor.training.datasets import EncodedDataset, EncodedImage
+        from conveyor.training.datasets import EncodedDataset
+        from conveyor.training.datasets.images import EncodedImage
 
         if isinstance(self.dataset, EncodedDataset):
             encoded, _bad = self.dataset.read_encoded(ids)  # the benchmark's files are sound

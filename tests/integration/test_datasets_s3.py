@@ -85,7 +85,8 @@ def _png(seed: int, size: tuple[int, int] = (6, 7)) -> tuple[np.ndarray, bytes]:
 def test_imagefolder_and_its_webdataset_pack_on_s3(
     s3_bucket: str, storage: StorageSettings
 ) -> None:
-    from conveyor.training.datasets import EncodedDataset, decode_image
+    from conveyor.training.datasets import EncodedDataset
+    from conveyor.training.datasets.images import decode_image
     from conveyor.training.datasets.pack_webdataset import pack_imagefolder
 
     store = open_store(f"s3://{s3_bucket}/pets", storage)

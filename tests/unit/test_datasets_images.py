@@ -15,17 +15,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from conveyor.training.datasets import (
-    BadImage,
     DatasetError,
     EncodedDataset,
     ImageFolderDataset,
     WebDataset,
-    decode_image,
     open_dataset,
     open_tokens,
     output_shape,
 )
-from conveyor.training.datasets.images import encode_jpeg, encode_png
+from conveyor.training.datasets.images import BadImage, decode_image, encode_jpeg, encode_png
 from conveyor.training.datasets.location import dataset_location
 from conveyor.training.datasets.pack_webdataset import is_image_folder, pack_imagefolder
 from conveyor.training.datasets.parquet import ParquetDataset

@@ -8,8 +8,13 @@ import pytest
 
 from conveyor.services.preprocessor.augment import build_augmenter
 from conveyor.services.preprocessor.image_ops import resize_region
-from conveyor.training.datasets import BadImage, EncodedImage, decode_image
-from conveyor.training.datasets.images import encode_jpeg, encode_png
+from conveyor.training.datasets.images import (
+    BadImage,
+    EncodedImage,
+    decode_image,
+    encode_jpeg,
+    encode_png,
+)
 
 SIZE = (64, 64)
 

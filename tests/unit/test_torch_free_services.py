@@ -108,3 +108,30 @@ def test_a_preprocessor_process_sends_batches_without_loading_torch() -> None:
     assert isinstance(batch, Batch) and isinstance(batch.x, torch.Tensor)
     here = process_shard(open_dataset(task.dataset_uri), task, augmenter_for(task.preprocess))
     assert np.array_equal(batch.x.numpy(), here.batches[0].x)
+
+
+# Imports the modules given after "--" and prints which of the modules before it got loaded.
+_HEAVY_PROBE = """
+import importlib, sys
+split = sys.argv.index("--")
+for module in sys.argv[split + 1:]:
+    importlib.import_module(module)
+print(*sorted(m for m in sys.argv[1:split] if m in sys.modules))
+"""
+
+
+def test_the_datasets_package_loads_no_decoder_and_no_process_the_otlp_exporter_unasked() -> None:
+    # Listing image files (the sharder's plan, the aggregator's and checkpointer's dataset
+    # locations) needs no decoder, and a process without an OTLP endpoint exports nothing: each
+    # was ~0.1-0.3 s of CPU at every process start. Only the preprocessor decodes.
+    heavy = ["PIL.Image", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
+    modules = [*_entry_modules(), "conveyor.training.datasets", "conveyor.training.locations"]
+    modules.remove(SERVICES["preprocessor"].entry.partition(":")[0])
+    result = subprocess.run(
+        [sys.executable, "-c", _HEAVY_PROBE, *heavy, "--", *modules],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().split() == []

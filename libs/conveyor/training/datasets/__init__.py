@@ -22,7 +22,8 @@ The first four are :class:`Dataset` (uint8 arrays of one shape), the image files
 file a :class:`TokenDataset` (int64 sequences, its "shape" ``(1, 1, block_size)``).
 
 Opening validates cheaply and raises DatasetError with a clear reason; every
-dataset's reads are thread-safe.
+dataset's reads are thread-safe. The image decoder (``decode_image``, Pillow) lives in
+:mod:`conveyor.training.datasets.images`, imported by the processes that decode, not here.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from conveyor.training.datasets.base import (
 from conveyor.training.datasets.builtin import open_builtin
 from conveyor.training.datasets.idx import IdxDataset
 from conveyor.training.datasets.imagefolder import ImageFolderDataset
-from conveyor.training.datasets.images import BadImage, EncodedImage, decode_image
 from conveyor.training.datasets.manifest import Manifest, ShardEntry
 from conveyor.training.datasets.npz import NpzDataset
 from conveyor.training.datasets.pack import PackResult, load_arrays, pack_idx, pack_npz, pack_source
@@ -59,13 +59,11 @@ AnyDataset = Dataset | EncodedDataset | TokenDataset
 
 __all__ = [
     "AnyDataset",
-    "BadImage",
     "BadSample",
     "Dataset",
     "DatasetError",
     "DatasetUnavailable",
     "EncodedDataset",
-    "EncodedImage",
     "EncodedSample",
     "IdxDataset",
     "ImageBatch",
@@ -79,7 +77,6 @@ __all__ = [
     "TokenDataset",
     "WebDataset",
     "burn_cpu",
-    "decode_image",
     "known_schemes",
     "load_arrays",
     "open_array_dataset",

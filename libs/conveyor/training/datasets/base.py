@@ -137,6 +137,11 @@ class BadSample:
         return f"{self.source}: {self.reason}"
 
 
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+"""File name endings of image files (compared in lower case). Here, not beside the decoder in
+``images``, so that listing image files does not load Pillow into every service."""
+
+
 class EncodedDataset(ABC):
     """A readable, thread-safe dataset of labelled encoded images of any size.
 

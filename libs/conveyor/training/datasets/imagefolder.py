@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 
 from conveyor.platform.config import StorageSettings
 from conveyor.training.datasets.base import (
+    IMAGE_EXTENSIONS,
     BadSample,
     DatasetError,
     DatasetUnavailable,
@@ -28,7 +29,6 @@ from conveyor.training.datasets.base import (
     EncodedSample,
     split_uri,
 )
-from conveyor.training.datasets.images import IMAGE_EXTENSIONS
 from conveyor.training.datasets.location import list_keys, open_location, read_object
 
 

@@ -26,8 +26,6 @@ from PIL import Image, UnidentifiedImageError
 
 IMAGE_FORMATS = frozenset({"JPEG", "PNG"})
 """Pillow format names accepted."""
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-"""File name endings of image files (compared in lower case)."""
 MAX_IMAGE_PIXELS = 64 * 2**20
 """Largest width * height decoded (64 Mpx; a 8k x 8k photo)."""
 CHANNEL_MODES = {1: "L", 3: "RGB"}

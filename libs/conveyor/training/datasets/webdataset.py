@@ -38,13 +38,13 @@ from numpy.typing import NDArray
 
 from conveyor.platform.config import StorageSettings
 from conveyor.training.datasets.base import (
+    IMAGE_EXTENSIONS,
     BadSample,
     DatasetError,
     EncodedDataset,
     EncodedSample,
     split_uri,
 )
-from conveyor.training.datasets.images import IMAGE_EXTENSIONS
 from conveyor.training.datasets.location import (
     RangeFile,
     open_location,

@@ -32,17 +32,16 @@ from conveyor.platform.messages import Batch, ShardTask, batch_id_for
 from conveyor.services.preprocessor.augment import Augmenter, build_augmenter
 from conveyor.training.datasets import (
     AnyDataset,
-    BadImage,
     BadSample,
     Dataset,
     DatasetError,
-    EncodedImage,
     EncodedSample,
     ImageBatch,
     LabelBatch,
     TokenDataset,
 )
 from conveyor.training.datasets.base import DEFAULT_CHANNELS
+from conveyor.training.datasets.images import BadImage, EncodedImage
 
 if TYPE_CHECKING:
     from torch import Tensor
