@@ -33,13 +33,13 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-# Unit and integration tests run in two worker processes (pytest-xdist): the integration tests
-# mostly wait on the broker, timeouts and child processes, so two at a time take ~4 min where
-# one at a time took ~7.5. The end-to-end tests then run one at a time: each starts a whole
-# stack of processes on the machine's cores, and what they check (data wait, step counts,
-# recovery within a deadline) would be skewed by a second stack beside them.
+# Unit and integration tests run in three worker processes (pytest-xdist): the integration
+# tests mostly wait on the broker, timeouts and child processes, so on 2 cores three at a time
+# take ~4.7 min where two took ~6 and one ~7.5. The end-to-end tests then run one at a time:
+# each starts a whole stack of processes on the machine's cores, and what they check (data
+# wait, step counts, recovery within a deadline) would be skewed by a second stack beside them.
 test: lint typecheck imports
-	$(BIN)/pytest -n 2 tests/unit tests/integration
+	$(BIN)/pytest -n 3 tests/unit tests/integration
 	$(BIN)/pytest tests/e2e
 
 bench: $(STAMP)
