@@ -491,12 +491,11 @@ class JobRunner:
         window.wait_s += waited
         if not step:
             return False
-        samples = sum(c.result.samples for c in step)
-        inner = self.session.engine.inner
-        assert inner is not None
-        if window.inner_state is None:  # its first step: what a rejection of it puts back
-            window.inner_state = await self._compute(inner.state)
-        await self._compute(self.session.engine.inner_step, samples, lr)
+        samples, engine = sum(c.result.samples for c in step), self.session.engine
+        if window.inner_state is None:  # its first step: keep what a rejection puts back
+            window.inner_state = await self._compute(engine.first_inner_step, samples, lr)
+        else:
+            await self._compute(engine.inner_step, samples, lr)
         window.computed += step
         window.inner_steps.append(len(step))
         return len(step) == wanted

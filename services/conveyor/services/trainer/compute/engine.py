@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -242,6 +243,15 @@ class Engine:
         self.inner.step(num_samples, lr)
         self._synchronize()
         return time.perf_counter() - started
+
+    def first_inner_step(self, num_samples: int, lr: float) -> dict[str, Any]:
+        """Local mode: a window's first inner step (:meth:`inner_step`), returning the inner
+        optimizer's state from before it, to put back if the window is rejected. One call on
+        the compute thread instead of two: each hand-off costs ~1 ms on a loaded machine."""
+        assert self.inner is not None, "inner steps are local mode's"
+        state = self.inner.state()
+        self.inner_step(num_samples, lr)
+        return state
 
     def delta(self, num_samples: int) -> tuple[EncodedGrad, float]:
         """Local mode: the window's parameter delta since the loaded version, times its
