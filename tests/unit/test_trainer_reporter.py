@@ -30,6 +30,12 @@ class FakeProducer:
 class State:
     step = 0
     samples = 0
+    built = 0
+    """Progress figures built so far."""
+
+    def progress(self) -> dict[str, Any]:
+        self.built += 1
+        return {**TRAINER_DEFAULTS, "step": self.step, "samples_trained": self.samples}
 
 
 def reporter(producer: FakeProducer, state: State) -> Reporter:
@@ -42,7 +48,7 @@ def reporter(producer: FakeProducer, state: State) -> Reporter:
         progress_interval_s=0.5,
         progress_max_interval_s=5.0,
         heartbeat_interval_s=1.0,
-        progress=lambda: {**TRAINER_DEFAULTS, "step": state.step, "samples_trained": state.samples},
+        progress=state.progress,
         heartbeat=lambda: trainer_state(version=1, samples_per_second=10.0),
         started_at=10.0,
     )
@@ -65,6 +71,8 @@ async def test_progress_is_rate_limited_and_sent_only_when_it_changed() -> None:
     report.request_progress()
     await report.maybe_send_progress(now=11.65)  # asked for (epoch end): sent though unchanged
     assert steps_reported(producer) == [0, 1, 1, 1]
+    # The figures are built only when an event is due: at 10.0, 10.6, 11.5, 11.6 and 11.65.
+    assert state.built == 5
     first = producer.sent[0]
     assert first[0] == "jobs" and isinstance(first[1], TrainerProgress)
     assert first[1].worker_id == "w1" and first[1].job_id == "j1"

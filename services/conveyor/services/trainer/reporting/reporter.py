@@ -83,11 +83,11 @@ class Reporter:
 
     async def maybe_send_progress(self, now: float) -> None:
         """Send a progress event if the numbers changed and one is due (or one was asked)."""
+        if not self._urgent and now - self._last_progress_at < self.progress_interval_at(now):
+            return  # before building the figures: this runs every tick, an event is rarer
         data = self._progress()
         key = (data.get("step"), data.get("epoch"), data.get("samples_trained"))
         if key == self._last_key and not self._urgent:
-            return
-        if not self._urgent and now - self._last_progress_at < self.progress_interval_at(now):
             return
         self._urgent = False
         self._last_key = key
