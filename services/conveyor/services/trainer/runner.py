@@ -34,7 +34,8 @@ figures and the reporter.
 
 Why one module past the conventions' 500 lines: what is left here is the loop itself, whose
 steps share the runner's state (the loaded version, whether a local window moved the model,
-whether a carried window was rejected, the error-feedback undo list, the parameter stamps), and
+whether a carried window was rejected, the error-feedback undo list and the inner optimizer
+state to put back after a rejection, the parameter stamps), and
 whose gather is the one seam the fault-injection tests patch (``tests/faults.py``). The parts
 that hold no such state already live in ``plane/``, ``data/``, ``compute/`` and ``reporting/``;
 cutting the loop across modules would pass that state back and forth instead.
