@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from conveyor.services.trainer.plane.sending import Computed, StreamedGradient
-from conveyor.services.trainer.runner import JobRunner
+from conveyor.services.trainer.plane.sending import Computed
+from conveyor.services.trainer.runner import JobRunner, LastPass
 
 
 @dataclass
@@ -29,19 +29,19 @@ class BatchComputedTwice:
         fault = self
 
         async def gather(
-            runner: JobRunner, wanted: int, patience_s: float, *, stream_last: bool = False
-        ) -> tuple[list[Computed], float, StreamedGradient | None]:
+            runner: JobRunner, wanted: int, patience_s: float, *, last_pass: LastPass | None = None
+        ) -> tuple[list[Computed], float]:
             armed = fault.batch_id is None and runner.settings.worker_id == fault.worker_id
             # The pass added here must go into the gradient, so the step it joins sends its
             # slices after the backward, not during it.
-            computed, wait_s, streamed = await original(
-                runner, wanted, patience_s, stream_last=stream_last and not armed
+            computed, wait_s = await original(
+                runner, wanted, patience_s, last_pass=None if armed else last_pass
             )
             if computed and armed:
                 batch = computed[0].batch
                 again = await runner._compute(runner.session.engine.accumulate, batch.x, batch.y)
                 computed.append(Computed(batch, again))
                 fault.batch_id, fault.sample_ids = batch.batch_id, list(batch.sample_ids)
-            return computed, wait_s, streamed
+            return computed, wait_s
 
         monkeypatch.setattr(JobRunner, "_gather", gather)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -26,6 +29,8 @@ from conveyor.platform.messages import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
 
 
 async def test_sync_waits_for_the_close_and_every_slice_then_recomputes_a_rejection() -> None:
@@ -172,6 +177,37 @@ async def test_a_local_window_waits_for_no_batch_past_the_epochs_whole_steps() -
         [window] = h.contributions()
         assert window.base_version == 1 and window.inner_steps == [1, 1, 1, 1]
         assert window.batch_ids == [f"{JOB}:e0:train:00000:b{k:03d}" for k in range(4)]
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """One compute thread that records the name of every call handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.calls: list[str] = []
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        self.calls.append(fn.__name__)
+        return super().submit(fn, *args, **kwargs)
+
+
+async def test_a_local_inner_step_rides_in_its_last_micro_batchs_compute_call() -> None:
+    # One hand-off to the compute thread per micro-batch: the inner step runs in the call of
+    # its last one. A step that got fewer micro-batches than it wanted (the second: batch 2
+    # alone, none more within the 0.2 s wait) takes a call of its own.
+    async with harness("local", window=2) as h:
+        h.runner._compute_executor = compute = CountingExecutor()
+        try:
+            h.feed(0, 1, 2)
+            h.params(0)
+            await h.producer.wait_for(lambda: len(h.contributions()) == 1)
+        finally:
+            compute.shutdown()
+        [window] = h.contributions()
+        assert window.batch_ids == ids(0, 1, 2) and window.inner_steps == [2, 1]
+        assert compute.calls == [
+            "load", "accumulate", "accumulate_and_step", "accumulate", "inner_step", "delta"
+        ]
 
 
 async def overlapped(h: Harness, steps: int) -> None:

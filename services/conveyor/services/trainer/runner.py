@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
@@ -65,6 +65,7 @@ from conveyor.platform.messages import (
     TrainerJoined,
     TrainerState,
 )
+from conveyor.services.trainer.compute.engine import MicroResult
 from conveyor.services.trainer.compute.session import JobSession
 from conveyor.services.trainer.compute.snapshots import EpochSnapshots
 from conveyor.services.trainer.config import TrainerSettings
@@ -85,6 +86,9 @@ from conveyor.training.jobhost import JobFailure
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
+LastPass = Callable[[ReadyBatch, int | None, list[Computed]], Awaitable[MicroResult]]
+"""A step's last micro-batch pass when it does more than accumulate (:meth:`JobRunner._gather`):
+the batch, its seed, the passes before it in the step; returns the pass."""
 
 _FOLLOW_POLL_S = 0.5
 _EVAL_ONLY_POLL_S = 1.0
@@ -394,10 +398,23 @@ class JobRunner:
             # (sync answers it with an empty contribution and waits for the close).
             wanted = max(1, wanted)
         streamed: StreamedGradient | None = None
+
+        async def stream(item: ReadyBatch, seed: int | None, before: list[Computed]) -> MicroResult:
+            nonlocal streamed
+            samples = sum(c.result.samples for c in before) + int(item.y.shape[0])
+            result, streamed = await plane.sender.stream(
+                base, [c.batch for c in before] + [item],
+                partial(self._compute, engine.accumulate_streamed, item.x, item.y, seed, samples,
+                        span=item),
+            )  # fmt: skip
+            return result
+
         if engine.inner is None:
             overlap = spec.distribution.overlaps_backward(engine.layout.numel * 4)
             patience_s = self.settings.empty_contribution_wait_s
-            computed, wait_s, streamed = await self._gather(wanted, patience_s, stream_last=overlap)
+            computed, wait_s = await self._gather(
+                wanted, patience_s, last_pass=stream if overlap else None
+            )
             window = Window()
         else:
             window = await self._window(wanted, base, carried or Window())
@@ -488,34 +505,50 @@ class JobRunner:
     async def _inner_step(self, window: Window, wanted: int, patience_s: float, lr: float) -> bool:
         """Gather up to ``wanted`` micro-batches and take one inner step on them, added to
         ``window``; whether the window may go on (it got all it wanted)."""
-        step, waited, _ = await self._gather(wanted, patience_s, [c.batch for c in window.computed])
+        engine, stepped = self.session.engine, False
+
+        async def last(item: ReadyBatch, seed: int | None, before: list[Computed]) -> MicroResult:
+            nonlocal stepped
+            samples = sum(c.result.samples for c in before) + int(item.y.shape[0])
+            first = window.inner_state is None  # keep what a rejection puts back
+            result, state = await self._compute(
+                engine.accumulate_and_step, item.x, item.y, seed, samples, lr, first, span=item
+            )
+            if first:
+                window.inner_state = state
+            stepped = True
+            return result
+
+        held = [c.batch for c in window.computed]
+        step, waited = await self._gather(wanted, patience_s, held, last_pass=last)
         window.wait_s += waited
         if not step:
             return False
-        samples, engine = sum(c.result.samples for c in step), self.session.engine
-        if window.inner_state is None:  # its first step: keep what a rejection puts back
-            window.inner_state = await self._compute(engine.first_inner_step, samples, lr)
-        else:
-            await self._compute(engine.inner_step, samples, lr)
+        if not stepped:  # fewer than wanted came: the step in a compute call of its own
+            samples = sum(c.result.samples for c in step)
+            if window.inner_state is None:
+                window.inner_state = await self._compute(engine.first_inner_step, samples, lr)
+            else:
+                await self._compute(engine.inner_step, samples, lr)
         window.computed += step
         window.inner_steps.append(len(step))
         return len(step) == wanted
 
     async def _gather(
         self, wanted: int, patience_s: float, held: list[ReadyBatch] | None = None,
-        *, stream_last: bool = False,
-    ) -> tuple[list[Computed], float, StreamedGradient | None]:  # fmt: skip
+        *, last_pass: LastPass | None = None,
+    ) -> tuple[list[Computed], float]:  # fmt: skip
         """Up to ``wanted`` micro-batches of the current epoch, each computed as it comes; stops
         early when none arrives within ``patience_s`` (a deterministic job waits, and takes them
         in plan order, each with its own seed). ``held``: batches computed for this contribution
-        before (local mode's earlier inner steps); ``stream_last``: the ``wanted``-th pass sends
-        the slices as its backward completes them. Returns passes, seconds waited, the stream."""
+        before (local mode's earlier inner steps); ``last_pass``: runs the ``wanted``-th pass
+        instead of a plain accumulate (sync: sending the slices as its backward completes them;
+        local: the inner step in the same compute call). Returns passes and seconds waited."""
         intake, spec, engine = self.intake, self.session.spec, self.session.engine
         deterministic = spec.distribution.deterministic
         computed: list[Computed] = []
         earlier = held or []
         wait_s = 0.0
-        streamed: StreamedGradient | None = None
         while len(computed) < wanted and not self._training_over():
             intake.drop_revoked()
             await self._evaluate_ready()
@@ -537,18 +570,13 @@ class JobRunner:
                     break
                 continue  # deterministic: a partial step would change the step's sums
             seed = batch_seed(spec.training.seed, item.batch_id) if deterministic else None
-            if stream_last and len(computed) + 1 == wanted:  # the step's last pass
-                samples = sum(c.result.samples for c in computed) + int(item.y.shape[0])
-                result, streamed = await self.plane.sender.stream(
-                    self.loaded_version, [c.batch for c in computed] + [item],
-                    partial(self._compute, engine.accumulate_streamed, item.x, item.y, seed,
-                            samples, span=item),
-                )  # fmt: skip
+            if last_pass is not None and len(computed) + 1 == wanted:  # the step's last pass
+                result = await last_pass(item, seed, computed)
             else:
                 result = await self._compute(engine.accumulate, item.x, item.y, seed, span=item)
             self.figures.batch_done(item, result)
             computed.append(Computed(item, result))
-        return computed, wait_s, streamed
+        return computed, wait_s
 
     # -- evaluation ---------------------------------------------------------------------------
 

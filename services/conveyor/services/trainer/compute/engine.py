@@ -253,6 +253,26 @@ class Engine:
         self.inner_step(num_samples, lr)
         return state
 
+    def accumulate_and_step(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        seed: int | None,
+        num_samples: int,
+        lr: float,
+        first: bool,
+    ) -> tuple[MicroResult, dict[str, Any] | None]:
+        """Local mode: an inner step's last micro-batch (:meth:`accumulate`) and the step on
+        the ``num_samples`` samples accumulated, its own included, in one call on the compute
+        thread instead of two. ``first``: the window's first step (:meth:`first_inner_step`),
+        whose state from before it is returned (else None). The pass's ``compute_s`` is the
+        micro-batch's alone, as :meth:`accumulate`'s."""
+        result = self.accumulate(x, y, seed)
+        if first:
+            return result, self.first_inner_step(num_samples, lr)
+        self.inner_step(num_samples, lr)
+        return result, None
+
     def delta(self, num_samples: int) -> tuple[EncodedGrad, float]:
         """Local mode: the window's parameter delta since the loaded version, times its
         ``num_samples`` samples, sliced and encoded like a gradient. Returns it and the
