@@ -206,7 +206,12 @@ async def test_a_local_inner_step_rides_in_its_last_micro_batchs_compute_call() 
         [window] = h.contributions()
         assert window.batch_ids == ids(0, 1, 2) and window.inner_steps == [2, 1]
         assert compute.calls == [
-            "load", "accumulate", "accumulate_and_step", "accumulate", "inner_step", "delta"
+            "load",
+            "accumulate",
+            "accumulate_and_step",
+            "accumulate",
+            "inner_step",
+            "delta",
         ]
 
 

@@ -398,18 +398,20 @@ class JobRunner:
             # (sync answers it with an empty contribution and waits for the close).
             wanted = max(1, wanted)
         streamed: StreamedGradient | None = None
-
-        async def stream(item: ReadyBatch, seed: int | None, before: list[Computed]) -> MicroResult:
-            nonlocal streamed
-            samples = sum(c.result.samples for c in before) + int(item.y.shape[0])
-            result, streamed = await plane.sender.stream(
-                base, [c.batch for c in before] + [item],
-                partial(self._compute, engine.accumulate_streamed, item.x, item.y, seed, samples,
-                        span=item),
-            )  # fmt: skip
-            return result
-
         if engine.inner is None:
+
+            async def stream(
+                item: ReadyBatch, seed: int | None, before: list[Computed]
+            ) -> MicroResult:
+                nonlocal streamed  # the slices leave as the step's last backward makes them
+                samples = sum(c.result.samples for c in before) + int(item.y.shape[0])
+                result, streamed = await plane.sender.stream(
+                    base, [c.batch for c in before] + [item],
+                    partial(self._compute, engine.accumulate_streamed, item.x, item.y, seed,
+                            samples, span=item),
+                )  # fmt: skip
+                return result
+
             overlap = spec.distribution.overlaps_backward(engine.layout.numel * 4)
             patience_s = self.settings.empty_contribution_wait_s
             computed, wait_s = await self._gather(
