@@ -76,13 +76,16 @@ def train_simulated(
     window: int,
     outer_spec: dict[str, Any] | None,
     overlap: int = 0,
+    after_epoch: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """The model ``build`` makes (the job's version 0) trained as two trainers of ``spec``
     would: ``epochs`` yields each epoch's global batches (sample ids; trainer r takes the r-th
     micro-batch of each), ``loss(model, ids)`` is the mean loss of a micro-batch; sync
     (``outer_spec`` None) steps ``spec``'s optimizer on the global batch, local mode takes
     ``window`` inner steps per trainer and one outer step of ``outer_spec`` on the
-    sample-weighted mean delta, its first ``overlap`` steps (after the first window) carried."""
+    sample-weighted mean delta, its first ``overlap`` steps (after the first window) carried.
+    ``after_epoch(model)``, when given, sees the model at each epoch's end (local mode: the
+    version)."""
     model = build()
     layout = ParamLayout.from_model(model)
     version = torch.nn.Parameter(layout.flatten_params(model))  # [N], the published parameters
@@ -94,6 +97,8 @@ def train_simulated(
                 loss(model, rows).backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
                 model.zero_grad(set_to_none=True)
+            if after_epoch is not None:
+                after_epoch(model)
         return model
     outer = build_optimizer(OptimizerSpec(**outer_spec), [version])
     replicas = [build() for _ in range(TRAINERS)]
@@ -127,6 +132,9 @@ def train_simulated(
                 samples += mine
             version.grad = delta / samples
             outer.step()
+        if after_epoch is not None:
+            layout.load_flat(model, version.detach())
+            after_epoch(model)
     layout.load_flat(model, version.detach())
     return model
 
