@@ -82,6 +82,26 @@ async def test_group_lag_reader_counts_uncommitted_records(kafka_settings: Kafka
         assert (missing.committed, missing.lag) == (0, 0)
 
 
+async def test_group_lag_reader_sees_a_topic_created_after_it_started(
+    kafka_settings: KafkaSettings,
+) -> None:
+    # A job's batches topic is created long after the autoscaler's reader started: its
+    # client's cached metadata (refreshed every 5 minutes) does not know it yet.
+    topic = f"{kafka_settings.topic_prefix}late-lag"
+    async with GroupLagReader(kafka_settings) as lags:
+        assert await lags.partitions(topic) == []
+        async with TopicAdmin(kafka_settings) as admin:
+            await admin.create_topics([TopicSpec(topic, partitions=2)])
+        await _fill(kafka_settings, topic, 5)
+        assert await lags.partitions(topic) == [0, 1]
+        progress = await lags.progress("g", topic)
+        assert (progress.committed, progress.lag) == (0, 5)
+        gone = await lags.progress("g", f"{kafka_settings.topic_prefix}gone")
+        assert (gone.committed, gone.lag) == (0, 0)
+    async with TopicAdmin(kafka_settings) as admin:  # asking did not create a missing topic
+        assert f"{kafka_settings.topic_prefix}gone" not in await admin.list_topics()
+
+
 async def test_scales_up_a_starving_job_and_down_after_it(kafka_settings: KafkaSettings) -> None:
     topics = Topics(kafka_settings.topic_prefix)
     await create_topology(kafka_settings, TopologySettings(shards_partitions=2))

@@ -184,6 +184,14 @@ class KafkaSettings(_FileAwareSettings):
             "and logs an error for each deleted one, more with every job."
         ),
     )
+    topic_wait_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0,
+        description=(
+            "How long a reader waits for the broker to list its topic before it gives up "
+            "with a retriable error: a job's processes may ask for its topics before the "
+            "broker lists them (see conveyor.platform.bus.topic_wait)."
+        ),
+    )
     replication_factor: Annotated[int, Field(ge=1)] = 1
 
     @field_validator("bootstrap")

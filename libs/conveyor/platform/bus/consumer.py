@@ -28,6 +28,7 @@ from conveyor.platform.bus.offsets import InFlight
 from conveyor.platform.bus.options import consumer_options
 from conveyor.platform.bus.producer import Producer
 from conveyor.platform.bus.received import Received
+from conveyor.platform.bus.topic_wait import start_when_listed
 from conveyor.platform.codec import CodecLimits
 from conveyor.platform.config import KafkaSettings
 from conveyor.platform.lifecycle import AsyncLifecycle
@@ -151,14 +152,23 @@ class Consumer(AsyncLifecycle):
         if self._closing:
             raise ConsumerStopped("a stopped Consumer cannot be restarted; create a new one")
         await self._dead_letters.start()
-        consumer = AIOKafkaConsumer(**consumer_options(self._settings, self._group_id))
+        options = consumer_options(self._settings, self._group_id)
+        consumer: AIOKafkaConsumer | None = None
         try:
-            await consumer.start()
+            # Joined without its topics listed, a member would be assigned nothing.
+            consumer = await start_when_listed(
+                lambda: AIOKafkaConsumer(**options),
+                self._topics,
+                timeout_s=self._settings.topic_wait_s,
+            )
             consumer.subscribe(self._topics, listener=RebalanceListener(self))
-        except KafkaError as exc:
-            await consumer.stop()
+        except BaseException as exc:
+            if consumer is not None:
+                await consumer.stop()
             await self._dead_letters.stop()
-            raise from_kafka_error(exc, f"joining group {self._group_id}") from exc
+            if isinstance(exc, KafkaError):
+                raise from_kafka_error(exc, f"joining group {self._group_id}") from exc
+            raise
         self._consumer = consumer
         self._next_commit_at = time.monotonic() + self._commit_interval_s
         register_lag_source(self, {self._kind(t) for t in self._topics})

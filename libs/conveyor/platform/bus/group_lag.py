@@ -65,13 +65,22 @@ class GroupLagReader(AsyncLifecycle):
             await consumer.stop()
 
     async def partitions(self, topic: str) -> list[int]:
-        """The topic's partitions (empty when it does not exist)."""
-        consumer = self._running()[1]
+        """The topic's partitions (empty when it does not exist).
+
+        Asked of the broker each time: a job's topics come and go while this reader runs,
+        and a client's cached metadata knows a new topic only after its next refresh (5
+        minutes). Every topic's metadata is asked for, not this one's: a broker that creates
+        topics on demand (the embedded one) would create a missing topic asked for by name.
+        """
+        admin = self._running()[0]
         try:
-            await consumer.topics()  # refreshes the metadata partitions_for_topic reads
+            described = await admin.describe_topics()
         except KafkaError as exc:
             raise from_kafka_error(exc, f"reading the metadata of {topic}") from exc
-        return sorted(consumer.partitions_for_topic(topic) or ())
+        for entry in described:
+            if entry["topic"] == topic and entry["error_code"] == 0:
+                return sorted(part["partition"] for part in entry["partitions"])
+        return []
 
     async def progress(self, group: str, topic: str) -> GroupProgress:
         """Records of ``topic`` committed and not yet committed by ``group``; zeros for a topic

@@ -24,6 +24,7 @@ from conveyor.platform.bus.errors import BusError, BusUnavailable, from_kafka_er
 from conveyor.platform.bus.holes import HOLE_RETRY_S, HoleGuard
 from conveyor.platform.bus.metrics import topic_kind, topic_metrics
 from conveyor.platform.bus.options import consumer_options
+from conveyor.platform.bus.topic_wait import start_when_listed
 from conveyor.platform.bus.tracing import extract_context
 from conveyor.platform.codec import CodecError, CodecLimits, decode, message_type
 from conveyor.platform.config import KafkaSettings
@@ -109,18 +110,22 @@ class TopicTail(AsyncLifecycle):
         return all(self._positions.get(p, 0) >= end for p, end in self._targets.items())
 
     async def start(self) -> None:
-        """Assign every partition and position them. BusError if the topic has none."""
+        """Assign every partition and position them. :class:`BusUnavailable` if the broker
+        does not list the topic within ``topic_wait_s`` (:mod:`.topic_wait`)."""
         if self._consumer is not None:
             return
         options = consumer_options(self._settings, group_id="unused")
         options.update(group_id=None)
-        consumer = AIOKafkaConsumer(**options)
         try:
-            await consumer.start()
-            await consumer.topics()  # loads the metadata partitions_for_topic reads
+            consumer = await start_when_listed(
+                lambda: AIOKafkaConsumer(**options),
+                [self.topic],
+                timeout_s=self._settings.topic_wait_s,
+            )
+        except KafkaError as exc:
+            raise from_kafka_error(exc, f"reading {self.topic}") from exc
+        try:
             partitions = sorted(consumer.partitions_for_topic(self.topic) or ())
-            if not partitions:
-                raise BusError(f"topic {self.topic} has no partitions (was it created?)")
             if self._offsets is not None:
                 if unknown := set(self._offsets) - set(partitions):
                     raise BusError(f"topic {self.topic} has no partitions {sorted(unknown)}")
