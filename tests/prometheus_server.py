@@ -8,6 +8,7 @@ scrapes for the dashboard's rates over 1 m windows to have values."""
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from conveyor.embedded.broker import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRAPE_CONFIG = ROOT / "infra" / "prometheus" / "prometheus.yml"
+ALERT_RULES = ROOT / "infra" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "infra" / "grafana" / "dashboards" / "conveyor.json"
 
 
@@ -34,6 +36,7 @@ class PrometheusServer:
         project = SCRAPE_CONFIG.read_text()
         assert "  scrape_interval: 5s\n" in project, "the test expects the global 5 s interval"
         config.write_text(project.replace("  scrape_interval: 5s\n", "  scrape_interval: 1s\n", 1))
+        shutil.copy(ALERT_RULES, config_dir / ALERT_RULES.name)  # rule_files, beside the config
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = config_dir / "prometheus.log"
         with open(self.log_path, "ab") as log:
@@ -69,6 +72,13 @@ class PrometheusServer:
         assert body["data"]["resultType"] == "vector", (expr, body["data"]["resultType"])
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
+
+    def get(self, path: str) -> dict[str, Any]:
+        """The JSON body of an API GET (``/api/v1/rules``), checked for success."""
+        reply = self._client.get(path)
+        body: dict[str, Any] = reply.json()
+        assert reply.status_code == 200 and body["status"] == "success", (path, body)
+        return body
 
     def finite_values(self, expr: str) -> list[float]:
         """The finite sample values of ``expr`` now (a quantile of no observations is NaN)."""

@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import yaml
 from e2e_stack import (
     DIGITS_SAMPLES,
     RunningStack,
@@ -46,7 +47,7 @@ from e2e_stack import (
 )
 from ledger_check import assert_exactly_once
 from PIL import Image
-from prometheus_server import DASHBOARD, PrometheusServer
+from prometheus_server import ALERT_RULES, DASHBOARD, PrometheusServer
 from servers import headless_chromium, require_binary
 
 from conveyor.embedded import registry
@@ -274,6 +275,28 @@ def test_prometheus_scrapes_every_service_and_answers_every_dashboard_panel(
         if _panel_needs_data(target["expr"]) and not has_data(target["expr"])
     ]
     assert not empty, f"dashboard queries without data: {empty}"
+    # The alerting rules loaded from the project's file, evaluate without error against this
+    # stack's series (the ones they select exist), and neither the stall nor the dead-letter
+    # alert is pending after a healthy run. (A trainer's data wait may be pending for its 10
+    # minutes at a job's first batches; its rule's cases are in alerts_test.yml.)
+    rules = {
+        rule["name"]: rule
+        for group in prometheus.get("/api/v1/rules")["data"]["groups"]
+        for rule in group["rules"]
+    }
+    assert set(rules) == {
+        "ConveyorJobsStalled", "ConveyorTrainerStarved", "ConveyorDeadLetters",
+        "ConveyorServiceDown",
+    }  # fmt: skip
+    assert {name: r["health"] for name, r in rules.items()} == dict.fromkeys(rules, "ok"), rules
+    assert rules["ConveyorJobsStalled"]["state"] == "inactive", rules
+    assert rules["ConveyorDeadLetters"]["state"] == "inactive", rules
+    rule_file = yaml.safe_load(ALERT_RULES.read_text())
+    exprs = [rule["expr"] for group in rule_file["groups"] for rule in group["rules"]]
+    selectors = {m for e in exprs for m in re.findall(r"\b(?:conveyor_\w+|up)(?:\{[^}]*\})?", e)}
+    assert len(selectors) >= 5, selectors
+    unserved = sorted(selector for selector in selectors if not has_data(selector))
+    assert not unserved, f"alerts select series the stack does not serve: {unserved}"
 
 
 def _polylines(html: str) -> list[tuple[str, str, str]]:

@@ -211,7 +211,7 @@ def test_named_volumes_and_networks_are_declared_and_used(compose: dict[str, Any
 
 def test_bind_mounted_files_exist(services: dict[str, Any]) -> None:
     sources = [src for s in services.values() for src, _ in _mounts(s) if src.startswith("./")]
-    assert len(sources) == 4
+    assert len(sources) == 5
     for source in sources:
         assert (ROOT / source).exists(), f"mounted {source} does not exist"
 
