@@ -74,12 +74,12 @@ async def test_group_lag_reader_counts_uncommitted_records(kafka_settings: Kafka
     async with GroupLagReader(kafka_settings) as lags:
         assert await lags.partitions(topic) == [0, 1]
         before = await lags.progress("g", topic)
-        assert (before.committed, before.lag) == (0, 7)
+        assert (before.committed, before.lag, before.partitions) == (0, 7, 2)
         await _commit_all(kafka_settings, "g", topic)
         after = await lags.progress("g", topic)
         assert (after.committed, after.lag) == (7, 0)
         missing = await lags.progress("g", f"{kafka_settings.topic_prefix}gone")
-        assert (missing.committed, missing.lag) == (0, 0)
+        assert (missing.committed, missing.lag, missing.partitions) == (0, 0, 0)
 
 
 async def test_group_lag_reader_sees_a_topic_created_after_it_started(

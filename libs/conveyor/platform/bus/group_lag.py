@@ -27,6 +27,8 @@ class GroupProgress:
     """Records the group committed (offsets, from each partition's start)."""
     lag: int
     """Records after the group's committed offsets."""
+    partitions: int
+    """The topic's partitions (0 when it does not exist)."""
 
 
 class GroupLagReader(AsyncLifecycle):
@@ -88,7 +90,7 @@ class GroupLagReader(AsyncLifecycle):
         admin, consumer = self._running()
         partitions = [TopicPartition(topic, p) for p in await self.partitions(topic)]
         if not partitions:
-            return GroupProgress(committed=0, lag=0)
+            return GroupProgress(committed=0, lag=0, partitions=0)
         try:
             committed = await admin.list_consumer_group_offsets(group, partitions=partitions)
             ends = await consumer.end_offsets(partitions)
@@ -100,7 +102,7 @@ class GroupLagReader(AsyncLifecycle):
             position = meta.offset if meta is not None and meta.offset >= 0 else 0
             done += position
             lag += max(0, ends[tp] - position)
-        return GroupProgress(committed=done, lag=lag)
+        return GroupProgress(committed=done, lag=lag, partitions=len(partitions))
 
     def _running(self) -> tuple[AIOKafkaAdminClient, AIOKafkaConsumer]:
         if self._admin is None or self._consumer is None:

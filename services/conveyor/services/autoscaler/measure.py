@@ -90,7 +90,6 @@ class Meter:
     async def measure(self, now: float) -> Measurement:
         """Raises BusError when the broker cannot be read."""
         topics = self._topics
-        partitions = len(await self._lags.partitions(topics.shards))
         shards = await self._lags.progress(topics.preprocessor_group, topics.shards)
         # Every unfinished job, however many ended ones the view holds.
         unfinished = self._view.unfinished()
@@ -108,7 +107,7 @@ class Meter:
         busy, reporting = self._load.busy(now=now, max_age_s=self._max_age_s)
         servable = [job.demand for job in unfinished
                     if job.servable and job.demand is not None]  # fmt: skip
-        return Measurement(at=now, partitions=partitions, shards_lag=shards.lag,
+        return Measurement(at=now, partitions=shards.partitions, shards_lag=shards.lag,
                            shards_per_second=rate, jobs=jobs, busy_ratio=busy,
                            preprocessors_reporting=reporting,
                            trainers_asked=sum(demand.wanted for demand in servable),
